@@ -1,0 +1,42 @@
+# Two commands do all the set-up on a fresh machine: `make test` and `make bench`.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# torch_xla 2.9.0 is the newest release and pins torch 2.9.0; torchvision 0.24.0 matches it
+# (its nms is the reference our nms tests compare against).
+PINS   := torch==2.9.0 torch_xla==2.9.0 torchvision==0.24.0
+DEPS   := transformers numpy pytest pybind11 ninja tqdm matplotlib
+
+export PJRT_DEVICE ?= CPU
+
+.PHONY: venv install test bench bench-kernels check-cuda clean
+
+$(VENV)/.deps: Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip setuptools wheel
+	$(PIP) install --quiet $(PINS) $(DEPS)
+	touch $@
+
+venv: $(VENV)/.deps
+
+$(VENV)/.installed: $(VENV)/.deps pyproject.toml setup.py
+	$(PIP) install --quiet --no-build-isolation --no-deps -e .
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) benchmarks/bert_demo.py
+
+bench-kernels: install
+	$(PY) benchmarks/kernels.py
+
+check-cuda: install
+	$(PY) tools/check_cuda_compiles.py
+
+clean:
+	rm -rf build *.egg-info $(VENV)

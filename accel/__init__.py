@@ -1,0 +1,7 @@
+"""accel: faster PyTorch training with a few changed lines.
+
+Compiler path: accel.xla (PyTorch/XLA), accel.amp, accel.data.
+Custom path: accel.runtime (fused C++/CUDA kernels, hooks, prefetcher).
+Nothing here imports torch_xla or needs CUDA at import time.
+"""
+__version__ = "0.1.0"

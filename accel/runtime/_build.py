@@ -1,0 +1,117 @@
+"""Build and load the kernels in csrc/: one extension per op, named after the op.
+
+Each op `<op>` is csrc/cpu/<op>.cpp (C++ kernels, plus the torch.library schema of its ops) and,
+where torch sees a GPU, csrc/cuda/<op>.cu, linked with csrc/bindings.cpp into a pybind11 module.
+Loading the module registers the ops as torch.ops.accel.*.
+
+Order of preference: a module built ahead of time by `ACCEL_BUILD_EXT=1 pip install .`
+(accel._ext.<op>), else a JIT build through torch.utils.cpp_extension + ninja, cached under
+$ACCEL_EXT_DIR (default ~/.cache/accel/ext/<torch version>) and rebuilt when a source changes.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+_lock = threading.RLock()
+
+
+def csrc_dir() -> Path:
+    """The csrc/ tree: the repository's in a source checkout, the packaged copy otherwise."""
+    repo = Path(__file__).resolve().parents[2] / "csrc"
+    if (repo / "bindings.cpp").exists():
+        return repo
+    packaged = Path(__file__).resolve().parents[1] / "_csrc"
+    if (packaged / "bindings.cpp").exists():
+        return packaged
+    raise RuntimeError(f"accel: kernel sources not found (looked in {repo} and {packaged})")
+
+
+def with_cuda() -> bool:
+    # torch 2.9 from PyPI is a CUDA build even on machines without a GPU, where its CUDA
+    # runtime cannot be linked against by the local nvcc: build CUDA sources only with a GPU.
+    return torch.cuda.is_available() and torch.version.cuda is not None
+
+
+def build_dir(op: str) -> Path:
+    root = os.environ.get("ACCEL_EXT_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "accel", "ext")
+    tag = torch.__version__.replace("+", "_") + ("_cuda" if with_cuda() else "_cpu")
+    path = Path(root) / tag / op
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def sources(op: str) -> list[str]:
+    root = csrc_dir()
+    cpp = root / "cpu" / f"{op}.cpp"
+    if not cpp.exists():
+        raise ValueError(f"op: no C++ source for {op!r} (expected {cpp})")
+    srcs = [root / "bindings.cpp", cpp]
+    cu = root / "cuda" / f"{op}.cu"
+    if with_cuda() and cu.exists():
+        srcs.append(cu)
+    return [str(s) for s in srcs]
+
+
+_loaded: dict[str, ModuleType] = {}
+
+
+def ops(op: str, register: Callable[[], None] | None = None):
+    """torch.ops.accel, once `op`'s kernels are loaded and `register` (its fake/autograd
+    registrations) has run. Safe inside torch.compile: after the first call this is one dict
+    lookup, which Dynamo guards on instead of tracing into the build."""
+    if op not in _loaded:
+        _load(op, register)
+    return torch.ops.accel
+
+
+@torch.compiler.disable
+def _load(op: str, register: Callable[[], None] | None) -> None:
+    with _lock:
+        if op in _loaded:
+            return
+        module = load(op)
+        if register is not None:
+            register()
+        _loaded[op] = module
+
+
+@functools.cache
+def load(op: str) -> ModuleType:
+    """Return the extension module of `op`, building it on first use, once per process."""
+    try:
+        return importlib.import_module(f"accel._ext.{op}")
+    except ImportError:
+        return _jit_build(op)
+
+
+def _jit_build(op: str) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    srcs = sources(op)
+    cuda = any(s.endswith(".cu") for s in srcs)
+    print(f"accel: building the {op!r} kernels ({'C++ + CUDA' if cuda else 'C++'}); "
+          f"first use only, cached in {build_dir(op)}", file=sys.stderr, flush=True)
+    try:
+        return cpp_extension.load(
+            name=f"accel_{op}",
+            sources=srcs,
+            extra_cflags=["-O3"] + (["-DWITH_CUDA"] if cuda else []),
+            extra_cuda_cflags=["-O3"] if cuda else None,
+            extra_include_paths=[str(csrc_dir())],
+            build_directory=str(build_dir(op)),
+            with_cuda=cuda,
+            verbose=False,
+        )
+    except Exception as e:  # the compiler's output is in the message; keep it
+        raise RuntimeError(
+            f"accel: building the {op!r} kernels failed. Sources: {', '.join(srcs)}.\n{e}") from e

@@ -1,0 +1,36 @@
+"""Argument checks and kernel dispatch shared by the ops in accel.runtime.nn."""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_tensor(name: str, t, *, dtypes=FLOAT_DTYPES, ndim: int | tuple[int, ...] | None = None) -> None:
+    """Raise ValueError naming `name` unless t is a tensor with one of `dtypes` and `ndim` dims."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name}: expected dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None:
+        ok = (ndim,) if isinstance(ndim, int) else ndim
+        if t.dim() not in ok:
+            raise ValueError(f"{name}: expected {' or '.join(map(str, ok))} dims, got shape {tuple(t.shape)}")
+
+
+def check_same_device(**tensors) -> None:
+    """Raise ValueError naming the first tensor that is not on the device of the first one."""
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    if not items:
+        return
+    name0, t0 = items[0]
+    for name, t in items[1:]:
+        if t.device != t0.device:
+            raise ValueError(f"{name}: expected a tensor on {t0.device} (the device of {name0}), got {t.device}")
+
+
+def use_kernel(t: torch.Tensor) -> bool:
+    """Our C++/CUDA kernels serve CPU and CUDA tensors; any other device (XLA) takes the reference,
+    which its compiler fuses."""
+    return t.device.type in ("cpu", "cuda")

@@ -1,0 +1,62 @@
+import pytest
+import torch
+
+from accel.runtime.nn.quick_gelu import QuickGelu, quick_gelu, quick_gelu_reference
+
+from ._params import DEVICES, DTYPES, tol
+
+
+def _by_hand(x):
+    return x * (1.0 / (1.0 + torch.exp(-1.702 * x)))
+
+
+def test_reference_matches_hand_computed_values():
+    x = torch.tensor([-2.0, -0.5, 0.0, 0.5, 3.0], dtype=torch.float64)
+    expected = torch.tensor([-2 / (1 + 2.718281828459045 ** 3.404), -0.5 / (1 + 2.718281828459045 ** 0.851),
+                             0.0, 0.5 / (1 + 2.718281828459045 ** -0.851), 3 / (1 + 2.718281828459045 ** -5.106)],
+                            dtype=torch.float64)
+    torch.testing.assert_close(quick_gelu_reference(x), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7,), (3, 1001), (2, 5, 129), (0, 4)])
+def test_forward_backward_match_reference(device, dtype, shape):
+    torch.manual_seed(0)
+    x = (torch.randn(shape, device=device) * 3).to(dtype).requires_grad_()
+    xr = x.detach().double().requires_grad_()
+    y = quick_gelu(x)
+    yr = _by_hand(xr)
+    assert y.dtype == dtype and y.shape == x.shape
+    torch.testing.assert_close(y, yr.to(dtype), **tol(dtype))
+    g = torch.randn(shape, device=device).to(dtype)
+    y.backward(g)
+    yr.backward(g.double())
+    torch.testing.assert_close(x.grad, xr.grad.to(dtype), **tol(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_input(device):
+    x = torch.randn(64, 48, device=device).t()[::2]
+    assert not x.is_contiguous()
+    torch.testing.assert_close(quick_gelu(x), _by_hand(x))
+
+
+def test_gradcheck_float64_cpu():
+    x = torch.randn(17, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(quick_gelu, (x,))
+
+
+def test_module_and_torch_compile():
+    m = QuickGelu()
+    x = torch.randn(33, 9)
+    torch.testing.assert_close(m(x), _by_hand(x))
+    compiled = torch.compile(quick_gelu, fullgraph=True)
+    torch.testing.assert_close(compiled(x), _by_hand(x))
+
+
+def test_bad_input_names_argument():
+    with pytest.raises(ValueError, match="x"):
+        quick_gelu(torch.arange(4))
+    with pytest.raises(ValueError, match="x"):
+        quick_gelu([1.0, 2.0])
