@@ -1,0 +1,1 @@
+"""Small shared utilities: the bottom layer, importing nothing else from accel."""

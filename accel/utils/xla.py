@@ -1,0 +1,41 @@
+"""torch_xla, optional: every accel module imports without it; calls that need it say so."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+INSTALL_HINT = "pip install 'accel[xla]' (torch_xla 2.9 needs torch 2.9.0)"
+
+
+@functools.cache
+def xla_available() -> bool:
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def require_xla(feature: str):
+    """Import and return torch_xla, or raise a RuntimeError telling the user how to get it."""
+    if not xla_available():
+        raise RuntimeError(f"{feature} needs torch_xla, which is not installed: {INSTALL_HINT}")
+    import torch_xla
+
+    return torch_xla
+
+
+def is_xla_device(device) -> bool:
+    if device is None:
+        return False
+    return torch.device(device).type == "xla"
+
+
+def is_xla_tensor(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "xla"
+
+
+def mark_step() -> None:
+    """Cut the lazy graph and run it (torch_xla.sync); a no-op without torch_xla."""
+    if xla_available():
+        import torch_xla
+
+        torch_xla.sync()

@@ -1,0 +1,21 @@
+"""Benchmark cases for benchmarks/kernels.py, one module per op (<op>.py, named like csrc/cpu/<op>.cpp).
+
+Each module defines `cases(device: str, quick: bool) -> list[Case]`. A Case is one op at one size:
+our implementation and every peer as zero-argument callables on pre-made inputs, plus the bytes an
+ideal implementation must move (read + write) so kernels.py can report GB/s against the device's
+measured copy bandwidth. `quick` asks for small sizes only (CPU smoke runs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class Case:
+    op: str                       # e.g. "quick_gelu fwd"
+    size: str                     # human-readable size, e.g. "16M fp32"
+    bytes_moved: int              # minimal bytes read + written by one call
+    ours: Callable[[], Any]
+    peers: dict[str, Callable[[], Any]] = field(default_factory=dict)  # name -> callable
+    memory_bound: bool = True     # judged against copy bandwidth when True

@@ -1,0 +1,29 @@
+import torch
+
+from accel.runtime.nn.quick_gelu import quick_gelu, quick_gelu_reference
+
+from . import Case
+
+
+def cases(device: str, quick: bool) -> list[Case]:
+    sizes = [1 << 16, 1 << 20] if quick else [1 << 20, 1 << 24, 1 << 26]
+    compiled_ref = torch.compile(quick_gelu_reference)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in sizes:
+            x = torch.randn(n, device=device, dtype=dtype)
+            g = torch.randn_like(x)
+            xg = x.clone().requires_grad_()
+            nbytes = x.numel() * x.element_size()
+            label = f"{n / 2**20:g}M {str(dtype).replace('torch.', '')}"
+            out.append(Case("quick_gelu fwd", label, 2 * nbytes, lambda x=x: quick_gelu(x), {
+                "torch eager": lambda x=x: x * torch.sigmoid(1.702 * x),
+                "torch.compile(ref)": lambda x=x: compiled_ref(x),
+            }))
+            # backward alone: grad wrt x given the saved input (reads x and g, writes dx)
+            out.append(Case("quick_gelu bwd", label, 3 * nbytes,
+                            lambda xg=xg, g=g: torch.ops.accel.quick_gelu_backward(g, xg), {
+                "torch autograd": lambda xg=xg, g=g: torch.autograd.grad(
+                    xg * torch.sigmoid(1.702 * xg), xg, g)[0],
+            }))
+    return out
