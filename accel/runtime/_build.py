@@ -11,6 +11,7 @@ $ACCEL_EXT_DIR (default ~/.cache/accel/ext/<torch version>) and rebuilt when a s
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import os
 import sys
@@ -99,10 +100,15 @@ def _jit_build(op: str) -> ModuleType:
 
     srcs = sources(op)
     cuda = any(s.endswith(".cu") for s in srcs)
-    print(f"accel: building the {op!r} kernels ({'C++ + CUDA' if cuda else 'C++'}); "
-          f"first use only, cached in {build_dir(op)}", file=sys.stderr, flush=True)
+    # cpp_extension rebuilds when a source changes but says nothing; say it ourselves, since a
+    # first build takes a minute. The stamp is our own fingerprint of what goes into the build.
+    stamp = build_dir(op) / "accel.stamp"
+    fingerprint = _fingerprint(srcs)
+    if not stamp.exists() or stamp.read_text() != fingerprint:
+        print(f"accel: building the {op!r} kernels ({'C++ + CUDA' if cuda else 'C++'}) in "
+              f"{build_dir(op)}; this happens once per source change", file=sys.stderr, flush=True)
     try:
-        return cpp_extension.load(
+        module = cpp_extension.load(
             name=f"accel_{op}",
             sources=srcs,
             extra_cflags=["-O3"] + (["-DWITH_CUDA"] if cuda else []),
@@ -115,3 +121,14 @@ def _jit_build(op: str) -> ModuleType:
     except Exception as e:  # the compiler's output is in the message; keep it
         raise RuntimeError(
             f"accel: building the {op!r} kernels failed. Sources: {', '.join(srcs)}.\n{e}") from e
+    stamp.write_text(fingerprint)
+    return module
+
+
+def _fingerprint(srcs: list[str]) -> str:
+    h = hashlib.sha256(torch.__version__.encode())
+    headers = sorted(csrc_dir().rglob("*.h")) + sorted(csrc_dir().rglob("*.cuh"))
+    for path in [Path(s) for s in srcs] + headers:
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()

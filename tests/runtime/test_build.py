@@ -1,0 +1,75 @@
+"""The JIT build: a visible message, a cache that rebuilds on change, and the compiler's output on failure."""
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+OP = textwrap.dedent("""
+    #include <torch/library.h>
+    #include <torch/types.h>
+    at::Tensor probe_value(const at::Tensor& x) {{ return x + {value}; }}
+    TORCH_LIBRARY_FRAGMENT(accel, m) {{ m.def("probe_value(Tensor x) -> Tensor"); }}
+    TORCH_LIBRARY_IMPL(accel, CPU, m) {{ m.impl("probe_value", &probe_value); }}
+""")
+
+# Runs in a fresh process: an op can be registered once per process only.
+SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from pathlib import Path
+    from accel.runtime import _build
+    _build.csrc_dir = lambda: Path(sys.argv[1])
+    print("RESULT", _build.ops("probe").probe_value(torch.zeros(1)).item())
+""")
+
+
+def _fake_csrc(tmp_path, body):
+    csrc = tmp_path / "csrc"
+    (csrc / "cpu").mkdir(parents=True, exist_ok=True)
+    (csrc / "bindings.cpp").write_text((ROOT / "csrc" / "bindings.cpp").read_text())
+    (csrc / "cpu" / "probe.cpp").write_text(body)
+    return csrc
+
+
+def _run(csrc, ext_dir):
+    env = {"ACCEL_EXT_DIR": str(ext_dir), "PATH": "/usr/bin:/bin:/usr/local/bin"}
+    return subprocess.run([sys.executable, "-c", SCRIPT, str(csrc)], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+@pytest.mark.slow
+def test_builds_once_caches_and_rebuilds_on_change(tmp_path):
+    csrc = _fake_csrc(tmp_path, OP.format(value=1))
+    first = _run(csrc, tmp_path / "ext")
+    assert first.returncode == 0, first.stderr
+    assert "RESULT 1.0" in first.stdout
+    assert "building the 'probe' kernels" in first.stderr
+
+    second = _run(csrc, tmp_path / "ext")
+    assert "RESULT 1.0" in second.stdout
+    assert "building" not in second.stderr  # cached: no rebuild, no message
+
+    (csrc / "cpu" / "probe.cpp").write_text(OP.format(value=2))
+    third = _run(csrc, tmp_path / "ext")
+    assert third.returncode == 0, third.stderr
+    assert "RESULT 2.0" in third.stdout
+    assert "building the 'probe' kernels" in third.stderr
+
+
+@pytest.mark.slow
+def test_build_failure_reports_compiler_output(tmp_path):
+    csrc = _fake_csrc(tmp_path, OP.format(value="undeclared_identifier_xyz"))
+    proc = _run(csrc, tmp_path / "ext")
+    assert proc.returncode != 0
+    assert "building the 'probe' kernels failed" in proc.stderr
+    assert "undeclared_identifier_xyz" in proc.stderr  # the compiler's own message comes through
+
+
+def test_unknown_op_is_a_clear_error():
+    from accel.runtime import _build
+
+    with pytest.raises(ValueError, match=r"no C\+\+ source"):
+        _build.sources("no_such_op")
