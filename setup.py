@@ -26,11 +26,12 @@ def _extensions():
         cu = ROOT / "csrc" / "cuda" / f"{op}.cu"
         if with_cuda and cu.exists():
             sources.append(f"csrc/cuda/{op}.cu")
-            exts.append(CUDAExtension(f"accel._ext.{op}", sources,
+            exts.append(CUDAExtension(f"accel._ext.{op}", sources, include_dirs=[str(ROOT / "csrc")],
                                       define_macros=[("WITH_CUDA", None)],
                                       extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]}))
         else:
-            exts.append(CppExtension(f"accel._ext.{op}", sources, extra_compile_args=["-O3"]))
+            exts.append(CppExtension(f"accel._ext.{op}", sources, include_dirs=[str(ROOT / "csrc")],
+                                     extra_compile_args=["-O3"]))
     return exts, {"build_ext": BuildExtension}
 
 

@@ -111,7 +111,8 @@ def _jit_build(op: str) -> ModuleType:
         module = cpp_extension.load(
             name=f"accel_{op}",
             sources=srcs,
-            extra_cflags=["-O3"] + (["-DWITH_CUDA"] if cuda else []),
+            # JIT builds run where they are used, so they may target this CPU's vector units.
+            extra_cflags=["-O3", "-march=native"] + (["-DWITH_CUDA"] if cuda else []),
             extra_cuda_cflags=["-O3"] if cuda else None,
             extra_include_paths=[str(csrc_dir())],
             build_directory=str(build_dir(op)),

@@ -2,36 +2,26 @@
 // Half and bfloat16 are computed in float (at::opmath_type) and rounded once on store.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
-#include <cmath>
+#include "cpu/vec_math.h"
 
 namespace accel {
 namespace {
 
 constexpr double kAlpha = 1.702;
 
-template <typename T>
-inline T sigmoid(T v) {
-  return T(1) / (T(1) + std::exp(-v));
-}
-
 at::Tensor quick_gelu_cpu(const at::Tensor& x_) {
   auto x = x_.contiguous();
   auto y = at::empty_like(x);
-  const int64_t n = x.numel();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quick_gelu_cpu", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
-    const scalar_t* in = x.const_data_ptr<scalar_t>();
-    scalar_t* out = y.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const opmath_t v = static_cast<opmath_t>(in[i]);
-        out[i] = static_cast<scalar_t>(v * sigmoid<opmath_t>(opmath_t(kAlpha) * v));
-      }
-    });
+    using T = at::opmath_type<scalar_t>;
+    vec::map_tiles<scalar_t, T, 1>({x.const_data_ptr<scalar_t>()}, y.mutable_data_ptr<scalar_t>(), x.numel(),
+                                   [](const auto& in, T* __restrict__ out, int64_t n) {
+                                     const T* __restrict__ v = in[0];
+                                     for (int64_t i = 0; i < n; ++i) out[i] = v[i] * vec::sigmoid(T(kAlpha) * v[i]);
+                                   });
   });
   return y;
 }
@@ -42,20 +32,18 @@ at::Tensor quick_gelu_backward_cpu(const at::Tensor& grad_, const at::Tensor& x_
   auto grad = grad_.contiguous();
   TORCH_CHECK(grad.sizes() == x.sizes(), "quick_gelu_backward: grad and x differ in shape");
   auto dx = at::empty_like(x);
-  const int64_t n = x.numel();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quick_gelu_backward_cpu", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
-    const scalar_t* in = x.const_data_ptr<scalar_t>();
-    const scalar_t* g = grad.const_data_ptr<scalar_t>();
-    scalar_t* out = dx.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const opmath_t v = static_cast<opmath_t>(in[i]);
-        const opmath_t s = sigmoid<opmath_t>(opmath_t(kAlpha) * v);
-        const opmath_t d = s + opmath_t(kAlpha) * v * s * (opmath_t(1) - s);
-        out[i] = static_cast<scalar_t>(static_cast<opmath_t>(g[i]) * d);
-      }
-    });
+    using T = at::opmath_type<scalar_t>;
+    vec::map_tiles<scalar_t, T, 2>(
+        {grad.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>()}, dx.mutable_data_ptr<scalar_t>(), x.numel(),
+        [](const auto& in, T* __restrict__ out, int64_t n) {
+          const T* __restrict__ g = in[0];
+          const T* __restrict__ v = in[1];
+          for (int64_t i = 0; i < n; ++i) {
+            const T s = vec::sigmoid(T(kAlpha) * v[i]);
+            out[i] = g[i] * (s + T(kAlpha) * v[i] * s * (T(1) - s));
+          }
+        });
   });
   return dx;
 }

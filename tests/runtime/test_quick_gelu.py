@@ -60,3 +60,10 @@ def test_bad_input_names_argument():
         quick_gelu(torch.arange(4))
     with pytest.raises(ValueError, match="x"):
         quick_gelu([1.0, 2.0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extreme_values_saturate_without_nan(dtype):
+    # the CPU kernel's own exp clamps its argument; outside the clamp the result must still be exact
+    x = torch.tensor([-1e4, -100.0, -60.0, -1e-30, 0.0, 1e-30, 60.0, 100.0, 1e4], dtype=dtype)
+    torch.testing.assert_close(quick_gelu(x), quick_gelu_reference(x), rtol=1e-5, atol=1e-30)

@@ -1,0 +1,65 @@
+"""Shared output for the benchmarks: a printed table, a JSON file and a PNG plot in benchmarks/results/."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"{platform.processor() or 'CPU'} ({os.cpu_count()} cores)"
+
+
+def environment(device: str) -> dict:
+    return {
+        "device": device_name(device),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """columns: (key, header, format spec)."""
+    cells = [[h for _, h, _ in columns]]
+    for r in rows:
+        cells.append([("" if r.get(k) is None else format(r[k], f)) for k, _, f in columns])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    for n, row in enumerate(cells):
+        print("  ".join(c.rjust(w) if n and i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def write_json(name: str, payload: dict) -> Path:
+    """Atomically write benchmarks/results/<name>.json."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def save_figure(fig, name: str) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.png"
+    tmp = RESULTS / f".{name}.tmp.png"
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    os.replace(tmp, path)
+    return path

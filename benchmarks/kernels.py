@@ -1,0 +1,135 @@
+"""Kernel benchmark: each op of accel.runtime next to its strongest peers, in one run.
+
+For every case in benchmarks/kernel_cases/<op>.py it prints our time, the best peer's time, the ratio
+(peer / ours: > 1 means we are faster), the achieved GB/s and that as a fraction of the device's
+measured copy bandwidth (for memory-bound ops), then writes benchmarks/results/kernels_<device>.json
+and a PNG of the ratios.
+
+    python benchmarks/kernels.py [--device cpu|cuda] [--quick] [--ops quick_gelu,nms]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import _report  # noqa: E402
+from benchmarks import kernel_cases  # noqa: E402
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_call(fn, device: str, min_time: float = 0.2, warmup: int = 3) -> float:
+    """Median seconds per call over repeats that together take at least `min_time`."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    # calibrate how many calls fill ~min_time/5, then take 5+ batches
+    n, start = 1, time.perf_counter()
+    fn()
+    _sync(device)
+    once = max(time.perf_counter() - start, 1e-7)
+    n = max(1, int(min_time / 5 / once))
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        _sync(device)
+        samples.append((time.perf_counter() - start) / n)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted), the ceiling for memory-bound ops."""
+    n = (1 << 28) if device.startswith("cuda") else (1 << 26)
+    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    t = time_call(lambda: dst.copy_(src), device)
+    return 2 * n / t
+
+
+def load_cases(device: str, quick: bool, ops: set[str] | None):
+    for info in pkgutil.iter_modules(kernel_cases.__path__):
+        if ops and info.name not in ops:
+            continue
+        module = importlib.import_module(f"benchmarks.kernel_cases.{info.name}")
+        yield info.name, module.cases(device, quick)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="small sizes only (a smoke run)")
+    ap.add_argument("--ops", default="", help="comma-separated op names (default: all)")
+    ap.add_argument("--min-time", type=float, default=0.2, help="seconds of timing per measurement")
+    args = ap.parse_args(argv)
+    ops = {o.strip() for o in args.ops.split(",") if o.strip()} or None
+
+    bw = copy_bandwidth(args.device)
+    env = _report.environment(args.device)
+    print(f"device: {env['device']}   torch {env['torch']}   copy bandwidth {bw / 1e9:.1f} GB/s\n")
+
+    rows = []
+    for name, cases in load_cases(args.device, args.quick, ops):
+        for case in cases:
+            ours = time_call(case.ours, args.device, args.min_time)
+            peers = {p: time_call(fn, args.device, args.min_time) for p, fn in case.peers.items()}
+            best = min(peers, key=peers.get) if peers else None
+            gbps = case.bytes_moved / ours / 1e9
+            rows.append({
+                "op": case.op, "size": case.size, "ours_ms": ours * 1e3,
+                "best_peer": best, "peer_ms": peers[best] * 1e3 if best else None,
+                "ratio": peers[best] / ours if best else None,
+                "gbps": gbps, "copy_frac": gbps * 1e9 / bw if case.memory_bound else None,
+                "peers_ms": {p: t * 1e3 for p, t in peers.items()},
+            })
+            print(f"  {case.op:<24} {case.size:<18} ours {ours * 1e3:9.3f} ms"
+                  + (f"   {best} {peers[best] * 1e3:9.3f} ms   x{peers[best] / ours:5.2f}" if best else ""),
+                  flush=True)
+
+    print()
+    _report.print_table(rows, [
+        ("op", "op", ""), ("size", "size", ""), ("ours_ms", "ours ms", ".3f"),
+        ("best_peer", "best peer", ""), ("peer_ms", "peer ms", ".3f"),
+        ("ratio", "peer/ours", ".2f"), ("gbps", "GB/s", ".1f"), ("copy_frac", "of copy BW", ".0%"),
+    ])
+    tag = "cuda" if args.device.startswith("cuda") else "cpu"
+    payload = {**env, "copy_bandwidth_gbps": bw / 1e9, "quick": args.quick, "rows": rows}
+    path = _report.write_json(f"kernels_{tag}", payload)
+    png = _plot(rows, env, tag)
+    print(f"\nwrote {path} and {png}")
+    return 0
+
+
+def _plot(rows, env, tag):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labelled = [r for r in rows if r["ratio"]]
+    fig, ax = plt.subplots(figsize=(10, max(3, 0.28 * len(labelled))))
+    labels = [f"{r['op']} {r['size']}" for r in labelled]
+    ratios = [r["ratio"] for r in labelled]
+    ax.barh(labels, ratios, color=["tab:green" if x >= 1 else "tab:red" for x in ratios])
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log")
+    ax.invert_yaxis()
+    ax.set_xlabel("speed-up over the best peer (peer time / our time)")
+    ax.set_title(f"accel kernels on {env['device']} ({env['date']})")
+    return _report.save_figure(fig, f"kernels_{tag}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
