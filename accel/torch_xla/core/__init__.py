@@ -1,0 +1,1 @@
+"""``torchacc.torch_xla.core``: see xla_model."""

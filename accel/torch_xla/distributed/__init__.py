@@ -1,0 +1,1 @@
+"""``torchacc.torch_xla.distributed``: parallel_loader and xla_backend."""
