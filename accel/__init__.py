@@ -5,3 +5,4 @@ Custom path: accel.runtime (fused C++/CUDA kernels, hooks, prefetcher).
 Nothing here imports torch_xla or needs CUDA at import time.
 """
 __version__ = "0.1.0"
+from accel.checkpoint import auto_checkpoint

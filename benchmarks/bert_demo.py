@@ -88,7 +88,7 @@ def train_xla(args) -> dict:
             now = time.perf_counter()
             times.append(now - t0)
             t0 = now
-            compiles.append(xm.metrics().delta(start).compiles)
+            compiles.append((xm.metrics() - start).compiles)
             done += 1
             if done == args.steps:
                 break

@@ -1,0 +1,86 @@
+"""accel.amp.autocast: torch.autocast with a default device and dtype.
+
+Default device (when ``device_type`` is None), checked in this order:
+  1. "xla"  when torch_xla is importable and the PJRT_DEVICE environment variable is set
+            (that variable is what selects a PJRT device for torch_xla);
+  2. "cuda" when torch.cuda.is_available();
+  3. "cpu".
+Default dtype: bfloat16 on xla and cpu, float16 on cuda (pass dtype=torch.bfloat16 for bf16).
+
+On XLA this is ``torch.autocast("xla", ...)`` directly: torch_xla.amp.autocast only acts
+on TPU/Neuron and ignores autocast on the PJRT CPU device, whereas the core "xla" autocast
+key casts matmuls to bf16 on every PJRT device.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from accel.utils.xla import require_xla, xla_available
+
+_DEFAULT_DTYPE = {"xla": torch.bfloat16, "cpu": torch.bfloat16, "cuda": torch.float16}
+
+
+def default_device_type() -> str:
+    """The device type autocast() uses when none is given (see the module docstring)."""
+    if xla_available() and os.environ.get("PJRT_DEVICE"):
+        return "xla"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def default_dtype(device_type: str) -> torch.dtype:
+    if device_type in _DEFAULT_DTYPE:
+        return _DEFAULT_DTYPE[device_type]
+    return torch.get_autocast_dtype(device_type)
+
+
+def _autocast_available(device_type: str) -> bool:
+    check = getattr(torch.amp.autocast_mode, "is_autocast_available", None)
+    return True if check is None else bool(check(device_type))
+
+
+def _device_type_of(device_type) -> str:
+    if device_type is None:
+        return default_device_type()
+    if isinstance(device_type, torch.device):
+        return device_type.type
+    if isinstance(device_type, str):
+        try:
+            return torch.device(device_type).type
+        except RuntimeError as e:
+            raise ValueError(f"device_type: expected a device type such as 'xla', 'cuda' or 'cpu', got {device_type!r}") from e
+    raise ValueError(f"device_type: expected None, a str or a torch.device, got {type(device_type).__name__}")
+
+
+class autocast(torch.amp.autocast_mode.autocast):
+    """Mixed-precision region; a context manager and a decorator, like torch.autocast.
+
+    ``autocast()`` picks the device and dtype as the module docstring says;
+    ``autocast("cuda", dtype=torch.bfloat16)`` behaves exactly as torch.autocast does.
+    """
+
+    def __init__(
+        self,
+        device_type: Optional[str] = None,
+        dtype: Optional[torch.dtype] = None,
+        enabled: bool = True,
+        cache_enabled: Optional[bool] = None,
+    ):
+        device = _device_type_of(device_type)
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype: expected None or a torch.dtype, got {dtype!r}")
+        if not isinstance(enabled, bool):
+            raise ValueError(f"enabled: expected a bool, got {enabled!r}")
+        if not _autocast_available(device):
+            raise ValueError(f"device_type: autocast does not support device type {device!r}")
+        if device == "xla":
+            # Registers the XLA backend so the "xla" autocast key has kernels behind it.
+            require_xla("accel.amp.autocast on xla")
+        super().__init__(
+            device, dtype=dtype if dtype is not None else default_dtype(device), enabled=enabled,
+            cache_enabled=cache_enabled,
+        )

@@ -1,0 +1,100 @@
+"""Adam whose step can be skipped on the device (found_inf) without a host sync."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _functional
+from ._common import check_found_inf, check_lr, check_non_negative, device_step, params_with_grads
+
+
+class Adam(torch.optim.Optimizer):
+    """torch.optim.Adam's update rule; ``step(found_inf=t)`` skips the step where ``t != 0``.
+
+    Works on XLA, CUDA and CPU tensors. ``state["step"]`` is a float32 tensor on the
+    parameter's device, so counting a step (or not) never leaves the device.
+    """
+
+    # accel.amp.GradScaler passes its on-device overflow flag to optimizers that say this.
+    _step_supports_found_inf = True
+    _decoupled_weight_decay = False
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+    ):
+        check_lr(lr)
+        check_non_negative("eps", eps)
+        check_non_negative("weight_decay", weight_decay)
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"betas: expected a pair of floats in [0, 1), got {betas!r}")
+        for i, beta in enumerate(betas):
+            if not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+                raise ValueError(f"betas[{i}]: expected a float in [0, 1), got {beta!r}")
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize
+        )
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+
+    def _init_group(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps):
+        for p in params_with_grads(group, type(self).__name__):
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group["amsgrad"] and "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            if group["amsgrad"]:
+                max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+            steps.append(device_step(state, p))
+
+    @torch.no_grad()
+    def step(self, closure=None, found_inf: Optional[Tensor] = None):
+        """One update; where ``found_inf`` is a non-zero tensor, parameters and state stay as they were."""
+        check_found_inf(found_inf)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+            self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+            beta1, beta2 = group["betas"]
+            _functional.adam(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                max_exp_avg_sqs,
+                steps,
+                found_inf,
+                amsgrad=group["amsgrad"],
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+                decoupled_weight_decay=self._decoupled_weight_decay,
+            )
+        return loss

@@ -1,0 +1,95 @@
+"""SGD (momentum, Nesterov) whose step can be skipped on the device without a host sync."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _functional
+from ._common import check_found_inf, check_lr, check_non_negative, device_step, params_with_grads
+
+
+class SGD(torch.optim.Optimizer):
+    """torch.optim.SGD's update rule; ``step(found_inf=t)`` skips the step where ``t != 0``.
+
+    With momentum, state holds ``momentum_buffer`` and ``step`` (applied steps, a device
+    tensor): torch.optim.SGD's "buffer = grad on the first step" is selected on the device
+    from ``step == 0`` instead of from the buffer's absence on the host.
+    """
+
+    _step_supports_found_inf = True
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+    ):
+        check_lr(lr)
+        check_non_negative("momentum", momentum)
+        check_non_negative("weight_decay", weight_decay)
+        if not isinstance(dampening, (int, float)):
+            raise ValueError(f"dampening: expected a float, got {dampening!r}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("nesterov: Nesterov momentum requires momentum > 0 and dampening == 0")
+        defaults = dict(
+            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("nesterov", False)
+            group.setdefault("maximize", False)
+
+    def _init_group(self, group, params, grads, bufs, steps):
+        for p in params_with_grads(group, "SGD"):
+            params.append(p)
+            grads.append(p.grad)
+            if group["momentum"] == 0:
+                bufs.append(None)
+                steps.append(None)
+                continue
+            state = self.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            elif "step" not in state:
+                # A torch.optim.SGD state dict: its buffer exists only after a first step.
+                state["step"] = torch.ones((), dtype=torch.float32, device=p.device)
+            bufs.append(state["momentum_buffer"])
+            steps.append(device_step(state, p))
+
+    @torch.no_grad()
+    def step(self, closure=None, found_inf: Optional[Tensor] = None):
+        """One update; where ``found_inf`` is a non-zero tensor, parameters and state stay as they were."""
+        check_found_inf(found_inf)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, bufs, steps = [], [], [], []
+            self._init_group(group, params, grads, bufs, steps)
+            _functional.sgd(
+                params,
+                grads,
+                bufs,
+                steps,
+                found_inf,
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                lr=group["lr"],
+                dampening=group["dampening"],
+                nesterov=group["nesterov"],
+                maximize=group["maximize"],
+            )
+        return loss

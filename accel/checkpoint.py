@@ -1,0 +1,382 @@
+"""auto_checkpoint: activation checkpointing of a model's repeated blocks, found without class names.
+
+    model = accel.auto_checkpoint(model)                            # checkpoint every repeated block
+    model = accel.auto_checkpoint(model, memory_budget=2 << 30)     # only as many as needed to fit
+    accel.remove_checkpoint(model)                                  # undo
+
+Finding the blocks. Every nn.ModuleList / nn.Sequential in the model is split into groups of children
+with the same structure (same module types all the way down, same parameter names and shapes). The
+group holding the most parameters wins (ties: more members, then the outermost): the layers of a
+transformer encoder, the stages of a ResNet stage, the blocks of an MLP stack.
+
+Wrapping. Each block's `forward` is replaced on the instance (the class is untouched), so module
+names, hooks and state_dict keys stay exactly as they were and a state_dict saved before loads after.
+The wrapped forward runs the block under activation checkpointing when the block is training and
+grad is enabled -- torch.utils.checkpoint (use_reentrant=False, RNG state preserved, so dropout
+masks are replayed exactly) for CPU/CUDA inputs, torch_xla.utils.checkpoint for XLA inputs, decided
+per call from the inputs' device -- and runs it plainly under eval() or torch.no_grad().
+Calling auto_checkpoint again re-plans without wrapping twice.
+
+Memory budget (bytes of saved activations of one training forward). Which blocks to checkpoint is
+decided by dry runs of the forward: one with every block checkpointed (the least memory), one with
+all but one (the cost of one plain block), then the plan -- the first blocks checkpointed, the rest
+plain -- is checked by a third run and tightened if it does not fit. Bytes are counted with
+torch.autograd.graph.saved_tensors_hooks (distinct storages saved for backward, parameters and
+buffers excluded, plus the inputs a checkpointed block keeps for its recomputation); on CUDA they are
+the peak of torch.cuda.max_memory_allocated over the forward, above what was allocated before.
+The dry runs need inputs:
+  * pass `example_inputs` (a tuple of positional arguments or a dict of keyword arguments, shaped
+    like a real batch) and the plan is made inside auto_checkpoint, or
+  * pass none, and the plan is made at the first training forward, on that batch, just before it
+    runs. Dry runs restore the RNG state (CPU and CUDA) and every buffer (e.g. BatchNorm running
+    statistics), so the real step sees exactly what it would have seen without them.
+Until a budget plan is made no block is checkpointed. `checkpoint_plan(model)` reports the plan.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["auto_checkpoint", "remove_checkpoint", "checkpoint_plan", "find_repeated_blocks",
+           "activation_bytes", "CheckpointPlan"]
+
+_PLAN_ATTR = "_accel_checkpoint_plan"
+_ORIG_ATTR = "_accel_ckpt_forward"   # the forward we replaced: None means the class's own
+_ON_ATTR = "_accel_ckpt_on"          # whether this block checkpoints now
+
+
+@dataclass
+class CheckpointPlan:
+    container: str                         # qualified name of the ModuleList/Sequential ("" = model)
+    blocks: list[str]                      # qualified names of the repeated blocks, in order
+    checkpointed: list[str]                # the blocks that run under checkpointing
+    memory_budget: int | None = None
+    pending: bool = False                  # budget given, waiting for the first training forward
+    measured: dict[str, int] = field(default_factory=dict)  # dry-run bytes: all, one_plain, chosen, none
+    _hook: Any = field(default=None, repr=False, compare=False)
+
+
+def checkpoint_plan(model: nn.Module) -> CheckpointPlan | None:
+    """The plan auto_checkpoint made for `model`, or None if it was never applied."""
+    return model.__dict__.get(_PLAN_ATTR)
+
+
+# ---------------------------------------------------------------------------------------------
+# finding the repeated blocks
+
+def _signature(module: nn.Module) -> tuple:
+    """Same signature <=> same module types in the same tree and same parameter names/shapes/dtypes."""
+    types_ = tuple((name, type(m)) for name, m in module.named_modules())
+    params = tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters())
+    return types_, params
+
+
+def _depth(name: str) -> int:
+    return 0 if name == "" else name.count(".") + 1
+
+
+def find_repeated_blocks(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
+    """(container name, [(qualified block name, block), ...]) of the largest group of structurally
+    identical children of an nn.ModuleList / nn.Sequential; ("", []) when the model has none."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    best_key, best = None, ("", [])
+    for cname, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        groups: dict[tuple, list[tuple[str, nn.Module]]] = defaultdict(list)
+        for child_name, child in container.named_children():
+            groups[_signature(child)].append((f"{cname}.{child_name}" if cname else child_name, child))
+        for members in groups.values():
+            n_params = sum(p.numel() for _, m in members for p in m.parameters())
+            if len(members) < 2 or n_params == 0:
+                continue
+            key = (n_params, len(members), -_depth(cname))
+            if best_key is None or key > best_key:
+                best_key, best = key, (cname, members)
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# the wrapped forward
+
+def _tensors(args, kwargs):
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            yield v
+
+
+def _run_original(block: nn.Module, *args, **kwargs):
+    orig = block.__dict__[_ORIG_ATTR]
+    if orig is None:
+        return type(block).forward(block, *args, **kwargs)
+    return orig(*args, **kwargs)
+
+
+def _checkpointed_forward(self: nn.Module, *args, **kwargs):
+    if not (self.__dict__.get(_ON_ATTR) and self.training and torch.is_grad_enabled()):
+        return _run_original(self, *args, **kwargs)
+    meter = _Meter.active
+    if meter is not None:  # a dry run: the inputs stay alive for the recomputation
+        for t in _tensors(args, kwargs):
+            meter.add(t)
+    device = next((t.device for t in _tensors(args, kwargs)), None)
+    if device is not None and device.type == "xla":
+        return _xla_checkpoint(self, args, kwargs, device)
+    return torch.utils.checkpoint.checkpoint(functools.partial(_run_original, self), *args,
+                                             use_reentrant=False, **kwargs)
+
+
+def _xla_checkpoint(block, args, kwargs, device):
+    """torch_xla's checkpoint is reentrant and positional only: flatten kwargs into the positional
+    inputs, and add a grad-requiring dummy when no input requires grad (a reentrant checkpoint
+    would otherwise return an output detached from the block's parameters)."""
+    from accel.utils.xla import require_xla
+
+    require_xla("auto_checkpoint on XLA tensors")
+    from torch_xla.utils.checkpoint import checkpoint as xla_checkpoint
+
+    names = list(kwargs)
+    n_args = len(args)
+
+    def run(*flat):
+        return _run_original(block, *flat[:n_args], **dict(zip(names, flat[n_args:n_args + len(names)])))
+
+    flat = list(args) + [kwargs[k] for k in names]
+    if not any(t.requires_grad for t in _tensors(flat, {})):
+        flat.append(torch.zeros((), device=device, requires_grad=True))
+    return xla_checkpoint(run, *flat)
+
+
+def _install(block: nn.Module) -> None:
+    if _ORIG_ATTR in block.__dict__:
+        return  # already wrapped: never wrap twice
+    object.__setattr__(block, _ORIG_ATTR, block.__dict__.get("forward"))
+    object.__setattr__(block, _ON_ATTR, False)
+    object.__setattr__(block, "forward", types.MethodType(_checkpointed_forward, block))
+
+
+def _uninstall(block: nn.Module) -> None:
+    if _ORIG_ATTR not in block.__dict__:
+        return
+    orig = block.__dict__.pop(_ORIG_ATTR)
+    block.__dict__.pop(_ON_ATTR, None)
+    if orig is None:
+        block.__dict__.pop("forward", None)
+    else:
+        object.__setattr__(block, "forward", orig)
+
+
+def _set_checkpointed(model: nn.Module, plan: CheckpointPlan, names) -> None:
+    names = set(names)
+    for name in plan.blocks:
+        object.__setattr__(model.get_submodule(name), _ON_ATTR, name in names)
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring saved activations
+
+class _Meter:
+    """Bytes of distinct storages saved for backward during one forward (parameters and buffers
+    excluded), via saved_tensors_hooks; checkpointed blocks add their kept inputs through `add`."""
+
+    active: "_Meter | None" = None
+
+    def __init__(self, model: nn.Module):
+        self.exclude = {self._key(t) for t in list(model.parameters()) + list(model.buffers())}
+        self.seen: set = set()
+        self.total = 0
+
+    @staticmethod
+    def _key(t: torch.Tensor):
+        try:
+            return ("storage", t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensors without storage (XLA, functional)
+            return ("id", id(t))
+
+    @staticmethod
+    def _nbytes(t: torch.Tensor) -> int:
+        try:
+            return t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):
+            return t.numel() * t.element_size()
+
+    def add(self, t: torch.Tensor) -> torch.Tensor:
+        key = self._key(t)
+        if key not in self.exclude and key not in self.seen:
+            self.seen.add(key)
+            self.total += self._nbytes(t)
+        return t
+
+
+def _call(model, inputs):
+    args, kwargs = inputs
+    return model(*args, **kwargs)
+
+
+def activation_bytes(model: nn.Module, example_inputs) -> int:
+    """Saved-activation bytes of one training forward of `model` on `example_inputs`, as it is now
+    configured (checkpointed or not). CUDA: peak allocated bytes over the forward above the
+    starting point; elsewhere: saved-tensor hooks. The model's mode, buffers and RNG are restored."""
+    inputs = _normalize_inputs(example_inputs)
+    with _preserved_state(model, inputs):
+        return _measure(model, inputs)
+
+
+def _measure(model: nn.Module, inputs) -> int:
+    device = next((t.device for t in _tensors(*inputs)), None)
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = _call(model, inputs)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - start
+        del out
+        return int(peak)
+    meter = _Meter(model)
+    _Meter.active = meter
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(meter.add, lambda t: t):
+            out = _call(model, inputs)
+        del out
+    finally:
+        _Meter.active = None
+    return meter.total
+
+
+def _normalize_inputs(example_inputs) -> tuple[tuple, dict]:
+    """(positional args, keyword args) from a tensor, a tuple/list or a dict."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    raise ValueError("example_inputs: expected a tuple of positional arguments, a dict of keyword "
+                     f"arguments or a tensor, got {type(example_inputs).__name__}")
+
+
+@contextlib.contextmanager
+def _preserved_state(model: nn.Module, inputs):
+    """Training mode and grad on for the dry run; afterwards the modes, every buffer and the RNG
+    (CPU, and CUDA devices the inputs live on) are as they were."""
+    modes = {m: m.training for m in model.modules()}
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cuda = sorted({t.device.index or 0 for t in _tensors(*inputs) if t.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+            model.train()
+            yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
+# ---------------------------------------------------------------------------------------------
+# planning under a budget
+
+def _plan_budget(model: nn.Module, plan: CheckpointPlan, inputs) -> None:
+    n = len(plan.blocks)
+    budget = plan.memory_budget
+    with _preserved_state(model, inputs):
+        _set_checkpointed(model, plan, plan.blocks)
+        all_ckpt = _measure(model, inputs)
+        _set_checkpointed(model, plan, plan.blocks[1:])
+        one_plain = _measure(model, inputs)
+        per_block = max(one_plain - all_ckpt, 0)
+        # keep the last `plain` blocks uncheckpointed: bytes ~ all_ckpt + plain * per_block
+        if budget < all_ckpt:
+            plain = 0
+        elif per_block == 0:
+            plain = n
+        else:
+            plain = min(n, (budget - all_ckpt) // per_block)
+        while True:
+            chosen = plan.blocks[:n - plain]
+            _set_checkpointed(model, plan, chosen)
+            measured = _measure(model, inputs)
+            if measured <= budget or plain == 0:
+                break
+            plain -= 1  # blocks differ a little (first/last): tighten until it fits
+    plan.checkpointed = list(chosen)
+    plan.measured = {"all": all_ckpt, "one_plain": one_plain, "per_block": per_block, "chosen": measured}
+    plan.pending = False
+    if measured > budget:
+        warnings.warn(f"auto_checkpoint: memory_budget={budget} bytes cannot be met; with every block "
+                      f"checkpointed one forward still saves {measured} bytes", stacklevel=3)
+
+
+def _lazy_plan_hook(model: nn.Module, args, kwargs):
+    plan = checkpoint_plan(model)
+    if plan is None or not plan.pending or not (model.training and torch.is_grad_enabled()):
+        return None
+    if plan._hook is not None:
+        plan._hook.remove()
+        plan._hook = None
+    _plan_budget(model, plan, (tuple(args), dict(kwargs)))
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# public entry points
+
+def auto_checkpoint(model: nn.Module, memory_budget: int | None = None, example_inputs=None) -> nn.Module:
+    """Wrap `model`'s repeated blocks with activation checkpointing and return `model` (modified in
+    place; same state_dict keys). memory_budget: bytes of saved activations per training forward
+    to fit in (None: checkpoint every block). example_inputs: a batch for the budget's dry runs
+    (tuple of positional or dict of keyword arguments); without it the first training forward is used.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
+                                      or memory_budget <= 0):
+        raise ValueError(f"memory_budget: expected a positive int number of bytes or None, got {memory_budget!r}")
+    inputs = None if example_inputs is None else _normalize_inputs(example_inputs)
+
+    old = checkpoint_plan(model)
+    if old is not None and old._hook is not None:
+        old._hook.remove()
+    container, members = find_repeated_blocks(model)
+    if not members:
+        warnings.warn("auto_checkpoint: found no repeated blocks (structurally identical children of an "
+                      "nn.ModuleList or nn.Sequential); the model is returned unchanged", stacklevel=2)
+        return model
+    names = [name for name, _ in members]
+    for _, block in members:
+        _install(block)
+    plan = CheckpointPlan(container=container, blocks=names, checkpointed=list(names), memory_budget=memory_budget)
+    object.__setattr__(model, _PLAN_ATTR, plan)
+    if memory_budget is None:
+        _set_checkpointed(model, plan, names)
+    elif inputs is not None:
+        _plan_budget(model, plan, inputs)
+    else:
+        plan.pending, plan.checkpointed = True, []
+        _set_checkpointed(model, plan, [])
+        plan._hook = model.register_forward_pre_hook(_lazy_plan_hook, with_kwargs=True)
+    return model
+
+
+def remove_checkpoint(model: nn.Module) -> nn.Module:
+    """Undo auto_checkpoint: every block gets its own forward back. A no-op on an unwrapped model."""
+    plan = checkpoint_plan(model)
+    if plan is None:
+        return model
+    if plan._hook is not None:
+        plan._hook.remove()
+    for name in plan.blocks:
+        _uninstall(model.get_submodule(name))
+    del model.__dict__[_PLAN_ATTR]
+    return model

@@ -1,0 +1,136 @@
+"""MpDeviceLoader: wrap a DataLoader so its batches arrive on the device ahead of use.
+
+Same call as torch_xla's `pl.MpDeviceLoader(loader, device)` (the TorchAcc guide's), but it also works
+for cpu and cuda devices: on cpu it is a prefetching thread, on cuda it copies from pinned memory on a
+side stream, on XLA it uploads in the background and marks the step boundary each time the training loop
+asks for the next batch, as torch_xla's loader does.
+"""
+from __future__ import annotations
+
+import weakref
+
+from accel.data._pipeline import END, TransferPipeline, _Failure
+from accel.utils.batch import resolve_device, wait_and_claim
+from accel.utils.xla import is_xla_device, mark_step
+
+_OPTIONS = ("loader_prefetch_size", "device_prefetch_size")
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+class _DeviceLoaderIterator:
+    """One pass over the loader. Dropping it (or exhausting it) stops its threads."""
+
+    def __init__(self, loader, device, loader_prefetch_size: int, device_prefetch_size: int):
+        self._device = device
+        self._is_xla = is_xla_device(device)
+        self._pipeline = TransferPipeline(loader, device, loader_prefetch_size, device_prefetch_size,
+                                          name="accel-MpDeviceLoader")
+        self._len = len(loader) if hasattr(loader, "__len__") else None
+        self._closed = False
+
+    def __iter__(self):
+        return self
+
+    def __len__(self):
+        if self._len is None:
+            raise TypeError("the wrapped loader has no len()")
+        return self._len
+
+    def __next__(self):
+        if self._closed:
+            raise StopIteration
+        if self._is_xla:
+            # The previous batch's step ends here: cut and run its lazy graph, as torch_xla's loader does.
+            mark_step()
+        item = self._pipeline.next_item()
+        if item is END:
+            self.close()
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self.close()
+            # The worker's exception object carries its own traceback; raising it keeps type and frames.
+            raise item.exc
+        if self._device.type == "cuda":
+            batch, ready = item
+            return wait_and_claim(batch, ready, self._device)
+        return item
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._pipeline.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer (e.g. at interpreter exit)
+            pass
+
+
+class MpDeviceLoader:
+    """Iterate `loader` with every batch already on `device`.
+
+    Args:
+        loader: a torch DataLoader or any re-iterable with batches of tensors (nested in dicts, lists,
+            tuples, or objects with .to(), e.g. transformers' BatchEncoding; container types are kept).
+        device: the target device: "cpu", "cuda[:i]", or an XLA device (e.g. torch_xla.device()).
+        loader_prefetch_size: how many host batches may wait for their copy (default 8).
+        device_prefetch_size: how many batches may wait on the device (default 4).
+
+    Each `for` loop starts a fresh pass (a new epoch) and stops the previous one's threads. A loader
+    exception is re-raised in the training loop with its original type and traceback. Breaking out of
+    the loop stops the threads once the iterator is dropped; `close()` stops them at once.
+    """
+
+    def __init__(self, loader, device, **kwargs):
+        if not hasattr(loader, "__iter__"):
+            raise ValueError(f"loader must be an iterable of batches (e.g. a DataLoader), got {type(loader).__name__}")
+        unknown = sorted(set(kwargs) - set(_OPTIONS))
+        if unknown:
+            raise ValueError(f"MpDeviceLoader got unsupported option(s) {unknown}; supported: {list(_OPTIONS)}")
+        self._loader = loader
+        self._device = resolve_device(device)
+        self._loader_prefetch_size = _positive_int("loader_prefetch_size", kwargs.get("loader_prefetch_size", 8))
+        self._device_prefetch_size = _positive_int("device_prefetch_size", kwargs.get("device_prefetch_size", 4))
+        self._current = None
+
+    @property
+    def loader(self):
+        return self._loader
+
+    @property
+    def dataset(self):
+        return self._loader.dataset
+
+    @property
+    def device(self):
+        return self._device
+
+    def __len__(self):
+        return len(self._loader)
+
+    def __iter__(self):
+        self.close()
+        iterator = _DeviceLoaderIterator(self._loader, self._device, self._loader_prefetch_size,
+                                         self._device_prefetch_size)
+        # A weak reference, so a loop that breaks early still frees its iterator (and threads).
+        self._current = weakref.ref(iterator)
+        return iterator
+
+    def close(self) -> None:
+        """Stop the threads of the current pass, if any."""
+        current = self._current() if self._current is not None else None
+        if current is not None:
+            current.close()
+        self._current = None
+
+    def __getattr__(self, name):
+        # Anything else (batch_size, sampler, ...) reads through to the wrapped loader.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._loader, name)

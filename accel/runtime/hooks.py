@@ -1,0 +1,93 @@
+"""Swap torch's LayerNorm and Adam/AdamW for accel's fused ones in code you do not control.
+
+    from accel.runtime import hooks
+    hooks.enable_fused_layer_norm()   # nn.LayerNorm(...) now builds FusedLayerNorm
+    hooks.enable_fused_adam()         # torch.optim.Adam/AdamW(...) now build FusedAdam/FusedAdamW
+
+Model code such as transformers' BertLayer looks `nn.LayerNorm` up on the torch.nn module when it
+builds a model, so replacing that attribute reaches every model built afterwards (modules already
+built keep their class). Each enable_* is idempotent and has a disable_* counterpart that puts
+back the exact objects found before the first enable.
+
+What is patched, and what deliberately is not:
+- torch.nn.LayerNorm and torch.nn.modules.LayerNorm, but not
+  torch.nn.modules.normalization.LayerNorm: pickle finds a class through its defining module and
+  refuses to save instances if that name points elsewhere, so torch.save of a model holding an
+  original LayerNorm keeps working while the hook is on. FusedLayerNorm subclasses that original
+  class, so isinstance(m, nn.LayerNorm) stays true for fused modules and nothing recurses.
+- torch.optim.Adam and torch.optim.AdamW, not torch.optim.adam.Adam / torch.optim.adamw.AdamW,
+  for the same reason.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_lock = threading.Lock()
+# (namespace, attribute) -> the object found there before we replaced it
+_originals: dict[tuple[object, str], object] = {}
+
+
+def _layer_norm_targets():
+    return [(torch.nn, "LayerNorm"), (torch.nn.modules, "LayerNorm")]
+
+
+def _adam_targets():
+    return [(torch.optim, "Adam"), (torch.optim, "AdamW")]
+
+
+def _patch(namespace, name: str, replacement) -> None:
+    key = (namespace, name)
+    if key not in _originals:  # a second enable must not record our own class as "original"
+        _originals[key] = getattr(namespace, name)
+    setattr(namespace, name, replacement)
+
+
+def _restore(namespace, name: str) -> None:
+    original = _originals.pop((namespace, name), None)
+    if original is not None:
+        setattr(namespace, name, original)
+
+
+def enable_fused_layer_norm() -> None:
+    """Make nn.LayerNorm construct accel's FusedLayerNorm (same arguments, parameters, state_dict)."""
+    from accel.runtime.nn.layer_norm import FusedLayerNorm
+
+    with _lock:
+        for namespace, name in _layer_norm_targets():
+            _patch(namespace, name, FusedLayerNorm)
+
+
+def disable_fused_layer_norm() -> None:
+    """Put torch's own nn.LayerNorm back (a no-op when the hook is off)."""
+    with _lock:
+        for namespace, name in _layer_norm_targets():
+            _restore(namespace, name)
+
+
+def fused_layer_norm_enabled() -> bool:
+    with _lock:
+        return (torch.nn, "LayerNorm") in _originals
+
+
+def enable_fused_adam() -> None:
+    """Make torch.optim.Adam / AdamW construct accel's FusedAdam / FusedAdamW (same constructor)."""
+    from accel.runtime.optim import FusedAdam, FusedAdamW
+
+    replacements = {"Adam": FusedAdam, "AdamW": FusedAdamW}
+    with _lock:
+        for namespace, name in _adam_targets():
+            _patch(namespace, name, replacements[name])
+
+
+def disable_fused_adam() -> None:
+    """Put torch's own Adam / AdamW back (a no-op when the hook is off)."""
+    with _lock:
+        for namespace, name in _adam_targets():
+            _restore(namespace, name)
+
+
+def fused_adam_enabled() -> bool:
+    with _lock:
+        return (torch.optim, "Adam") in _originals

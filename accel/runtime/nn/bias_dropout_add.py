@@ -1,0 +1,119 @@
+"""Fused bias-dropout-add: residual + dropout(x + bias), the tail of every transformer sub-layer.
+
+    bias_dropout_add(x, bias, residual, prob, training)   residual + dropout(x + bias, prob)
+    dropout_add_fused_train(x, to_add, drop_rate)         to_add + dropout(x, drop_rate)
+    dropout_add_fused(x, to_add, drop_rate)               x + to_add (inference)
+
+CPU and CUDA tensors run the kernels in csrc/{cpu,cuda}/bias_dropout_add.*: one pass reads x, bias and
+residual and writes the output. The mask is not stored: the forward keeps the Philox (seed, offset) it
+drew from torch's generator (16 bytes) and the backward regenerates the mask from it, so memory for
+the backward is the same as for a plain add. Random numbers come from torch's default generator of the
+input's device, so `torch.manual_seed` makes results reproducible. Other devices (XLA) run
+`bias_dropout_add_reference`, which their compiler fuses.
+
+Dropout: each element is kept with probability 1 - p and kept values are scaled by 1 / (1 - p);
+p = 0 is the identity, p = 1 gives zeros. fp16/bf16 are computed in fp32 and rounded once.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.nn.functional as F
+
+from accel.runtime import _build
+from accel.runtime.nn._common import check_same_device, check_tensor, use_kernel
+
+__all__ = ["bias_dropout_add", "dropout_add_fused_train", "dropout_add_fused", "bias_dropout_add_reference"]
+
+
+def bias_dropout_add_reference(x, bias, residual, prob: float, training: bool):
+    """Plain PyTorch, the definition (draws its mask from torch's own dropout, not ours)."""
+    y = x if bias is None else x + bias
+    return residual + F.dropout(y, prob, training)
+
+
+def _check(x, bias, residual, prob, x_name="x", residual_name="residual", prob_name="prob"):
+    check_tensor(x_name, x)
+    check_tensor(residual_name, residual)
+    if isinstance(prob, bool) or not isinstance(prob, numbers.Real) or not 0.0 <= float(prob) <= 1.0:
+        raise ValueError(f"{prob_name}: expected a number in [0, 1], got {prob!r}")
+    if residual.shape != x.shape:
+        raise ValueError(f"{residual_name}: expected the shape of {x_name} {tuple(x.shape)}, "
+                         f"got {tuple(residual.shape)}")
+    if residual.dtype != x.dtype:
+        raise ValueError(f"{residual_name}: expected the dtype of {x_name} ({x.dtype}), got {residual.dtype}")
+    if bias is not None:
+        check_tensor("bias", bias)
+        if x.dim() == 0 or bias.shape != (x.shape[-1],):
+            last = "a 0-dim x has none" if x.dim() == 0 else f"({x.shape[-1]},)"
+            raise ValueError(f"bias: expected shape (x.shape[-1],) = {last}, got {tuple(bias.shape)}")
+        if bias.dtype != x.dtype:
+            raise ValueError(f"bias: expected the dtype of {x_name} ({x.dtype}), got {bias.dtype}")
+    check_same_device(**{x_name: x, residual_name: residual, "bias": bias})
+
+
+def _register():
+    """Output shapes for torch.compile, and the gradient: the mask regenerated from rng_state."""
+
+    def fake_fwd(x, bias, residual, p, train):
+        return torch.empty_like(x.contiguous()), torch.empty(2, dtype=torch.int64, device=x.device)
+
+    torch.library.register_fake("accel::bias_dropout_add_fwd")(fake_fwd)
+    torch.library.register_fake("accel::bias_dropout_add_bwd")(
+        lambda grad, rng_state, p: torch.empty_like(grad.contiguous()))
+
+    def setup_context(ctx, inputs, output):
+        x, bias, _, p, train = inputs
+        ctx.p = float(p)
+        ctx.dropout = bool(train) and ctx.p > 0.0
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(output[1])
+
+    def backward(ctx, grad_out, _grad_rng):
+        (rng_state,) = ctx.saved_tensors
+        if ctx.dropout:
+            grad_x = torch.ops.accel.bias_dropout_add_bwd(grad_out, rng_state, ctx.p)
+        else:
+            grad_x = grad_out
+        grad_bias = None
+        if ctx.has_bias and ctx.needs_input_grad[1]:
+            # accumulate in fp32 for fp16/bf16: the sum runs over every row
+            acc = torch.float64 if grad_x.dtype == torch.float64 else torch.float32
+            grad_bias = grad_x.reshape(-1, grad_x.shape[-1]).sum(0, dtype=acc).to(grad_x.dtype)
+        return grad_x, grad_bias, grad_out, None, None
+
+    torch.library.register_autograd("accel::bias_dropout_add_fwd", backward, setup_context=setup_context)
+
+
+def _ops():
+    return _build.ops("bias_dropout_add", _register)
+
+
+def _fused(x, bias, residual, prob, training):
+    if use_kernel(x):
+        return _ops().bias_dropout_add_fwd(x, bias, residual, float(prob), bool(training))[0]
+    return bias_dropout_add_reference(x, bias, residual, float(prob), bool(training))
+
+
+def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, prob: float,
+                     training: bool) -> torch.Tensor:
+    """residual + dropout(x + bias, prob) when training, residual + x + bias otherwise.
+
+    bias has shape (x.shape[-1],) (or is None); residual has x's shape; all share dtype and device.
+    """
+    _check(x, bias, residual, prob)
+    return _fused(x, bias, residual, prob, training)
+
+
+def dropout_add_fused_train(x: torch.Tensor, to_add: torch.Tensor, drop_rate: float) -> torch.Tensor:
+    """to_add + dropout(x, drop_rate), for training (TorchAcc's fused_bias_dropout_add)."""
+    _check(x, None, to_add, drop_rate, residual_name="to_add", prob_name="drop_rate")
+    return _fused(x, None, to_add, drop_rate, True)
+
+
+def dropout_add_fused(x: torch.Tensor, to_add: torch.Tensor, drop_rate: float) -> torch.Tensor:
+    """x + to_add: the inference counterpart of dropout_add_fused_train (dropout is the identity).
+    drop_rate is checked but unused, so the two calls are interchangeable."""
+    _check(x, None, to_add, drop_rate, residual_name="to_add", prob_name="drop_rate")
+    return x + to_add

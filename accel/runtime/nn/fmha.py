@@ -1,0 +1,144 @@
+"""Fused Swin window attention scores: softmax(q@k^T + relative position bias + shift mask).
+
+    attn = FusedSwinFmha.apply(attn, relative_pos_bias, attn_mask, batch_size, window_num, num_head,
+                               window_len)
+    == torch.softmax(attn.view(B, nW, nH, N, N) + relative_pos_bias[None, None]
+                     + attn_mask[None, :, None], -1).view(B*nW, nH, N, N)
+
+attn is [B*nW, nH, N, N]; relative_pos_bias [nH, N, N]; attn_mask [nW, N, N] or None (the mask of
+window w applies to attn rows b*nW + w). window_len is the tokens per window N (the window side, with
+N = window_len**2, is accepted too). One pass over attn instead of three (two adds and a softmax);
+out-of-place. Math is fp32 (fp64 for float64). The output has attn's dtype, so under autocast an fp16
+attn with an fp32 bias gives fp16 probabilities (plain PyTorch would promote to fp32); the bias
+gradient has the bias's dtype; the mask gets no gradient. Backward keeps only the softmax output.
+CPU tensors, and CUDA tensors with N <= 1024, run the kernels in csrc/{cpu,cuda}/fmha.*; other
+devices (XLA) and larger windows run the plain-PyTorch reference below.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from accel.runtime import _build
+from accel.runtime.nn._common import check_same_device, check_tensor, use_kernel
+
+CUDA_MAX_WINDOW_LEN = 1024  # one warp per row, at most 32 values per lane in registers
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fmha_reference(attn: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | None,
+                   window_num: int) -> torch.Tensor:
+    """Plain PyTorch, computed in fp32 (fp64 for float64) and returned in attn's dtype."""
+    BnW, nH, N, _ = attn.shape
+    ct = _opmath(attn.dtype)
+    s = attn.to(ct) + bias.to(ct).unsqueeze(0)
+    if mask is not None:
+        s = s.view(BnW // window_num, window_num, nH, N, N) + mask.to(ct).unsqueeze(1).unsqueeze(0)
+        s = s.view(BnW, nH, N, N)
+    return torch.softmax(s, dim=-1).to(attn.dtype)
+
+
+def fmha_backward_reference(grad: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad of attn, grad of the bias in fp32/fp64) from the softmax output: the softmax backward
+    y * (g - sum(g * y)) and its sum over the B*nW windows."""
+    ct = _opmath(out.dtype)
+    y, g = out.to(ct), grad.to(ct)
+    dx = y * (g - (g * y).sum(-1, keepdim=True))
+    return dx.to(out.dtype), dx.sum(0)
+
+
+def _register():
+    """Output shapes for torch.compile, and the gradient of the raw forward op."""
+    torch.library.register_fake("accel::fmha_swin_fwd")(
+        lambda attn, bias, mask, window_num: torch.empty_like(attn.contiguous()))
+
+    def bwd_fake(grad, out):
+        return (torch.empty_like(out.contiguous()),
+                out.new_empty(out.shape[1:], dtype=_opmath(out.dtype)))
+
+    torch.library.register_fake("accel::fmha_swin_bwd")(bwd_fake)
+
+    def setup_context(ctx, inputs, output):
+        ctx.bias_dtype = inputs[1].dtype
+        ctx.save_for_backward(output)
+
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        dx, dbias = torch.ops.accel.fmha_swin_bwd(grad, out)
+        return dx, dbias.to(ctx.bias_dtype), None, None
+
+    torch.library.register_autograd("accel::fmha_swin_fwd", backward, setup_context=setup_context)
+
+
+def _ops():
+    return _build.ops("fmha", _register)
+
+
+def _kernel_for(attn: torch.Tensor) -> bool:
+    return use_kernel(attn) and (attn.device.type == "cpu" or attn.shape[-1] <= CUDA_MAX_WINDOW_LEN)
+
+
+def _as_int(name: str, value) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name}: expected an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}: expected an int, got {type(value).__name__}") from None
+
+
+def _check(attn, bias, mask, batch_size, window_num, num_head, window_len) -> None:
+    check_tensor("attn", attn, ndim=4)
+    check_tensor("relative_pos_bias", bias, ndim=3)
+    if mask is not None:
+        check_tensor("attn_mask", mask, ndim=3)
+    check_same_device(attn=attn, relative_pos_bias=bias, attn_mask=mask)
+    batch_size, window_num = _as_int("batch_size", batch_size), _as_int("window_num", window_num)
+    num_head, window_len = _as_int("num_head", num_head), _as_int("window_len", window_len)
+    BnW, nH, N, N2 = attn.shape
+    if N != N2:
+        raise ValueError(f"attn: expected [B*nW, nH, N, N] with square scores, got {tuple(attn.shape)}")
+    if batch_size < 0 or window_num < 1 or batch_size * window_num != BnW:
+        raise ValueError(f"batch_size, window_num: expected batch_size * window_num == attn.shape[0] = {BnW}, "
+                         f"got {batch_size} * {window_num}")
+    if num_head != nH:
+        raise ValueError(f"num_head: expected attn.shape[1] = {nH}, got {num_head}")
+    if window_len != N and window_len * window_len != N:
+        raise ValueError(f"window_len: expected the tokens per window attn.shape[-1] = {N} "
+                         f"(or its square root), got {window_len}")
+    if tuple(bias.shape) != (nH, N, N):
+        raise ValueError(f"relative_pos_bias: expected shape (nH, N, N) = {(nH, N, N)}, got {tuple(bias.shape)}")
+    if mask is not None and tuple(mask.shape) != (window_num, N, N):
+        raise ValueError(f"attn_mask: expected shape (window_num, N, N) = {(window_num, N, N)}, "
+                         f"got {tuple(mask.shape)}")
+
+
+class FusedSwinFmha(torch.autograd.Function):
+    """softmax(attn + relative_pos_bias + attn_mask, -1) for Swin window attention; see the module doc."""
+
+    @staticmethod
+    def forward(ctx, attn, relative_pos_bias, attn_mask, batch_size, window_num, num_head, window_len):
+        _check(attn, relative_pos_bias, attn_mask, batch_size, window_num, num_head, window_len)
+        window_num = operator.index(window_num)
+        ctx.kernel = _kernel_for(attn)
+        ctx.bias_dtype = relative_pos_bias.dtype
+        if ctx.kernel:
+            out = _ops().fmha_swin_fwd(attn, relative_pos_bias, attn_mask, window_num)
+        else:
+            out = fmha_reference(attn, relative_pos_bias, attn_mask, window_num)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        if ctx.kernel:
+            dx, dbias = _ops().fmha_swin_bwd(grad, out)
+        else:
+            dx, dbias = fmha_backward_reference(grad, out)
+        dbias = dbias.to(ctx.bias_dtype) if ctx.needs_input_grad[1] else None
+        return (dx if ctx.needs_input_grad[0] else None), dbias, None, None, None, None, None

@@ -1,0 +1,151 @@
+"""Fused LayerNorm: forward and backward kernels with fp32 statistics, mixed-precision params.
+
+`fused_layer_norm(x, normalized_shape, weight, bias, eps)` and the `FusedLayerNorm` module (a
+drop-in subclass of nn.LayerNorm: same constructor, parameters and state_dict keys) run the kernels
+in csrc/{cpu,cuda}/layer_norm.* for CPU and CUDA tensors and `layer_norm_reference` elsewhere (XLA,
+whose compiler fuses it). Inputs may be fp32/fp16/bf16 (and fp64 for gradcheck); weight and bias may
+have x's dtype or, for fp16/bf16 x, fp32 (master weights kept in fp32). The output has x's dtype.
+"""
+from __future__ import annotations
+
+import functools
+import numbers
+import operator
+
+import torch
+from torch.nn.modules.normalization import LayerNorm as _TorchLayerNorm
+
+from accel.runtime import _build
+from accel.runtime.nn._common import check_same_device, check_tensor, use_kernel
+
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+def layer_norm_reference(x: torch.Tensor, normalized_shape, weight=None, bias=None, eps: float = 1e-5):
+    """Plain PyTorch: the definition, computed in fp32 (fp64 for fp64 x), rounded once to x's dtype."""
+    shape = _normalized_shape(normalized_shape)
+    dims = tuple(range(-len(shape), 0))
+    xf = x.float() if x.dtype in _REDUCED else x
+    mean = xf.mean(dims, keepdim=True)
+    var = (xf - mean).square().mean(dims, keepdim=True)
+    y = (xf - mean) * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight.to(xf.dtype)
+    if bias is not None:
+        y = y + bias.to(xf.dtype)
+    return y.to(x.dtype)
+
+
+def _normalized_shape(normalized_shape) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    if isinstance(normalized_shape, (str, bytes)):
+        raise ValueError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}")
+    try:
+        shape = tuple(int(d) for d in normalized_shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}") from None
+    if not shape or any(d < 0 for d in shape):
+        raise ValueError(f"normalized_shape: expected a non-empty sequence of sizes >= 0, got {normalized_shape!r}")
+    return shape
+
+
+def _numel(shape) -> int:
+    return functools.reduce(operator.mul, shape, 1)
+
+
+def _stat_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _register():
+    """Teach torch.library the kernels' output shapes (for torch.compile) and gradient."""
+
+    @torch.library.register_fake("accel::layer_norm_fwd")
+    def _fwd_fake(x, weight, bias, normalized_ndim, eps):
+        rows = _numel(x.shape[: x.dim() - normalized_ndim])
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        return y, x.new_empty((rows,), dtype=_stat_dtype(x)), x.new_empty((rows,), dtype=_stat_dtype(x))
+
+    @torch.library.register_fake("accel::layer_norm_bwd")
+    def _bwd_fake(dy, x, mean, rstd, weight, bias, normalized_ndim, need_dweight, need_dbias):
+        params = weight if weight is not None else bias
+        pdtype = params.dtype if params is not None else x.dtype
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+        dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dweight \
+            else x.new_empty((0,), dtype=pdtype)
+        db = torch.empty_like(bias, memory_format=torch.contiguous_format) if need_dbias \
+            else x.new_empty((0,), dtype=pdtype)
+        return dx, dw, db
+
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, normalized_ndim, _eps = inputs
+        _y, mean, rstd = output
+        ctx.save_for_backward(x, mean, rstd, weight, bias)
+        ctx.normalized_ndim = normalized_ndim
+        ctx.mark_non_differentiable(mean, rstd)
+
+    def backward(ctx, grad_y, _grad_mean, _grad_rstd):
+        x, mean, rstd, weight, bias = ctx.saved_tensors
+        need_dw = weight is not None and ctx.needs_input_grad[1]
+        need_db = bias is not None and ctx.needs_input_grad[2]
+        dx, dw, db = torch.ops.accel.layer_norm_bwd(
+            grad_y, x, mean, rstd, weight, bias, ctx.normalized_ndim, need_dw, need_db)
+        return dx, (dw if need_dw else None), (db if need_db else None), None, None
+
+    torch.library.register_autograd("accel::layer_norm_fwd", backward, setup_context=setup_context)
+
+
+def _ops():
+    return _build.ops("layer_norm", _register)
+
+
+def _check(x, shape, weight, bias, eps):
+    check_tensor("x", x)
+    if x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
+        raise ValueError(f"normalized_shape: expected the trailing dims of x, got {list(shape)} "
+                         f"for x of shape {tuple(x.shape)}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        check_tensor(name, p)
+        if tuple(p.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape} (normalized_shape), got {tuple(p.shape)}")
+    check_same_device(x=x, weight=weight, bias=bias)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+        raise ValueError(f"eps: expected a real number >= 0, got {eps!r}")
+
+
+def _kernel_params(x, weight, bias):
+    """weight and bias in the one dtype the kernels take: x's, or fp32 beside fp16/bf16 x.
+    Any other mix is cast (autograd carries the gradient back through the cast)."""
+    given = [p for p in (weight, bias) if p is not None]
+    if all(p.dtype == x.dtype for p in given):
+        return weight, bias
+    target = torch.float32 if x.dtype in _REDUCED else x.dtype
+    cast = lambda p: p if p is None or p.dtype == target else p.to(target)  # noqa: E731
+    return cast(weight), cast(bias)
+
+
+def fused_layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """Layer normalization over the trailing `normalized_shape` dims of x (like F.layer_norm)."""
+    shape = _normalized_shape(normalized_shape)
+    _check(x, shape, weight, bias, eps)
+    if not use_kernel(x):
+        return layer_norm_reference(x, shape, weight, bias, eps)
+    weight, bias = _kernel_params(x, weight, bias)
+    y, _mean, _rstd = _ops().layer_norm_fwd(x, weight, bias, len(shape), float(eps))
+    return y
+
+
+class FusedLayerNorm(_TorchLayerNorm):
+    """nn.LayerNorm running the fused kernels; same constructor, parameters and state_dict keys.
+
+    A subclass of torch's own LayerNorm class (imported from its defining module, which
+    accel.runtime.hooks never patches), so isinstance checks and init code written for
+    nn.LayerNorm keep working, including while the hook has replaced torch.nn.LayerNorm.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return fused_layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)

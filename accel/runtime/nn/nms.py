@@ -1,0 +1,265 @@
+"""Non-maximum suppression: nms, nms_normal, soft_nms, batched_soft_nms.
+
+CPU and CUDA tensors run the kernels in csrc/{cpu,cuda}/nms.*; other devices (XLA) run the plain
+PyTorch references below. Half and bfloat16 boxes are computed in float32, float64 in float64.
+
+Conventions (shared by kernels and references):
+- Boxes are (x1, y1, x2, y2); area = (x2 - x1) * (y2 - y1), no +1 (torchvision, and mmcv's
+  default offset=0); IoU = inter / ((area_a + area_b) - inter).
+- `nms` is torchvision.ops.nms: visit by decreasing score (stable: equal scores in input order),
+  suppress boxes with IoU > iou_threshold.
+- `soft_nms` follows mmcv.ops.soft_nms (mmcv/ops/csrc/pytorch/cpu/nms.cpp, offset=0): pick the live
+  box with the highest current score, then decay the others:
+      naive:    s = 0           if iou >= iou_threshold   (hard NMS)
+      linear:   s *= 1 - iou    if iou >= iou_threshold
+      gaussian: s *= exp(-iou**2 / sigma)
+  Note mmcv compares `>=` for soft-NMS (but `>` for its hard nms); we do the same. A box whose score
+  is below min_score is dropped. Two deliberate differences from mmcv's CPU loop, both only in
+  corner cases: ties between equal current scores go to the lowest input index (mmcv's choice
+  depends on its swap history), and a box whose *initial* score is below min_score is dropped even
+  when it is the top box (mmcv never checks the first box it picks, so it returns one box when all
+  scores are below min_score; we return none).
+- `batched_soft_nms` runs soft_nms per class: boxes of different classes never interact (the CPU
+  kernel runs the classes as separate loops, in parallel; the CUDA kernel runs one loop that skips
+  cross-class pairs; no coordinate-offset trick, so no precision is lost). It returns the kept boxes
+  ordered by decreasing rescored score, ties by input index, which is exactly the order in which
+  one greedy loop over all classes selects them.
+
+torch.compile: the ops have fake kernels with a data-dependent output size, so fullgraph=True works
+once the kernels are loaded (one eager call) and with
+`torch._dynamo.config.capture_dynamic_output_shape_ops = True`, as for torchvision.ops.nms.
+The CUDA soft-NMS is one thread block looping over selections: fine up to tens of thousands of
+boxes, not meant for millions.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from accel.runtime import _build
+from accel.runtime.nn._common import FLOAT_DTYPES, check_same_device, check_tensor, use_kernel
+
+METHODS = {"naive": 0, "linear": 1, "gaussian": 2}
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+# ------------------------------------------------------------------ argument checks
+
+
+def _check_number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}: expected a real number, got {type(value).__name__}")
+    value = float(value)
+    if math.isnan(value):
+        raise ValueError(f"{name}: expected a real number, got nan")
+    return value
+
+
+def _check_boxes_scores(boxes, scores) -> None:
+    check_tensor("boxes", boxes, dtypes=FLOAT_DTYPES)
+    if boxes.dim() != 2 or boxes.size(1) != 4:
+        raise ValueError(f"boxes: expected shape [N, 4] (x1, y1, x2, y2), got {tuple(boxes.shape)}")
+    check_tensor("scores", scores, dtypes=FLOAT_DTYPES)
+    if scores.dim() != 1 or scores.size(0) != boxes.size(0):
+        raise ValueError(f"scores: expected shape [N] with N = {boxes.size(0)} (the boxes), "
+                         f"got {tuple(scores.shape)}")
+    check_same_device(boxes=boxes, scores=scores)
+
+
+def _check_dets(dets) -> None:
+    check_tensor("dets", dets, dtypes=FLOAT_DTYPES)
+    if dets.dim() != 2 or dets.size(1) != 5:
+        raise ValueError(f"dets: expected shape [N, 5] (x1, y1, x2, y2, score), got {tuple(dets.shape)}")
+
+
+def _check_method(method) -> int:
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {sorted(METHODS)}, got {method!r}")
+    return METHODS[method]
+
+
+def _check_soft_args(iou_threshold, sigma, min_score, method):
+    code = _check_method(method)
+    thr = _check_number("iou_threshold", iou_threshold)
+    sig = _check_number("sigma", sigma)
+    if code == METHODS["gaussian"] and sig <= 0:
+        raise ValueError(f"sigma: expected > 0 for the gaussian method, got {sig}")
+    low = _check_number("min_score", min_score)
+    return thr, sig, low, code
+
+
+# ------------------------------------------------------------------ references (plain PyTorch)
+
+
+def _math_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _pair_overlap(box: torch.Tensor, area: torch.Tensor, boxes: torch.Tensor, areas: torch.Tensor):
+    """(inter, iou) of one box against many, in the kernels' order of operations."""
+    w = (torch.minimum(box[2], boxes[:, 2]) - torch.maximum(box[0], boxes[:, 0])).clamp(min=0)
+    h = (torch.minimum(box[3], boxes[:, 3]) - torch.maximum(box[1], boxes[:, 1])).clamp(min=0)
+    inter = w * h
+    return inter, inter / ((area + areas) - inter)
+
+
+def nms_reference(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float) -> torch.Tensor:
+    """Greedy hard NMS in plain PyTorch, same semantics as torchvision.ops.nms."""
+    n = boxes.size(0)
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64, device=boxes.device)
+    order = torch.sort(scores, descending=True, stable=True).indices
+    b = boxes.to(_math_dtype(boxes))[order]
+    areas = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+    suppressed = torch.zeros(n, dtype=torch.bool, device=boxes.device)
+    keep = []
+    for i in range(n):
+        if bool(suppressed[i]):
+            continue
+        keep.append(i)
+        _, iou = _pair_overlap(b[i], areas[i], b[i + 1:], areas[i + 1:])
+        # compared in float64 like torchvision's (float ovr > double threshold)
+        suppressed[i + 1:] |= iou.double() > iou_threshold
+    return order[torch.tensor(keep, dtype=torch.int64, device=boxes.device)]
+
+
+def _soft_nms_reference(boxes, scores, labels, iou_threshold, sigma, min_score, method):
+    """(indices in selection order, rescored scores in the math dtype)."""
+    mt = _math_dtype(boxes)
+    b = boxes.to(mt)
+    s = scores.to(mt).clone()
+    areas = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+    live = s >= min_score
+    picked, picked_scores = [], []
+    while bool(live.any()):
+        cand = live.nonzero().squeeze(1)
+        # argmax returns the first maximum: ties go to the lowest index, as in the kernels
+        i = int(cand[torch.argmax(s[cand])])
+        picked.append(i)
+        picked_scores.append(s[i].clone())
+        live[i] = False
+        others = live.clone()
+        if labels is not None:
+            others &= labels == labels[i]
+        idx = others.nonzero().squeeze(1)
+        if idx.numel() == 0:
+            continue
+        inter, iou = _pair_overlap(b[i], areas[i], b[idx], areas[idx])
+        iou = torch.where(inter == 0, torch.zeros_like(iou), iou)
+        if method == "gaussian":
+            weight = torch.exp(-(iou * iou) / sigma)
+        elif method == "linear":
+            weight = torch.where(iou >= iou_threshold, 1 - iou, torch.ones_like(iou))
+        else:
+            weight = torch.where(iou >= iou_threshold, torch.zeros_like(iou), torch.ones_like(iou))
+        s[idx] = s[idx] * weight
+        live[idx] = s[idx] >= min_score
+    device = boxes.device
+    inds = torch.tensor(picked, dtype=torch.int64, device=device)
+    new_scores = torch.stack(picked_scores) if picked_scores else torch.empty(0, dtype=mt, device=device)
+    return inds, new_scores
+
+
+def soft_nms_reference(dets: torch.Tensor, iou_threshold: float = 0.3, sigma: float = 0.5,
+                       min_score: float = 1e-3, method: str = "linear"):
+    """Soft-NMS in plain PyTorch, one selection per Python iteration. Same contract as soft_nms."""
+    _check_dets(dets)
+    thr, sig, low, _ = _check_soft_args(iou_threshold, sigma, min_score, method)
+    inds, new_scores = _soft_nms_reference(dets[:, :4], dets[:, 4], None, thr, sig, low, method)
+    out = torch.cat([dets[:, :4].index_select(0, inds), new_scores.to(dets.dtype).unsqueeze(1)], dim=1)
+    return out, inds
+
+
+def batched_soft_nms_reference(boxes, scores, idxs, iou_threshold=0.5, sigma=0.5, score_threshold=1e-3,
+                               method="gaussian"):
+    """Batched soft-NMS in plain PyTorch. Same contract as batched_soft_nms."""
+    _check_batched(boxes, scores, idxs)
+    thr, sig, low, _ = _check_soft_args(iou_threshold, sigma, score_threshold, method)
+    inds, new_scores = _soft_nms_reference(boxes, scores, idxs.long(), thr, sig, low, method)
+    return inds, new_scores.to(scores.dtype)
+
+
+# ------------------------------------------------------------------ kernels
+
+
+def _register():
+    """Fake (meta) kernels: the number of kept boxes is only known at run time."""
+
+    @torch.library.register_fake("accel::nms")
+    def _(boxes, scores, iou_threshold):
+        k = torch.library.get_ctx().new_dynamic_size()
+        return boxes.new_empty((k,), dtype=torch.int64)
+
+    @torch.library.register_fake("accel::nms_soft")
+    def _(boxes, scores, labels, iou_threshold, sigma, min_score, method):
+        k = torch.library.get_ctx().new_dynamic_size()
+        return boxes.new_empty((k,), dtype=torch.int64), boxes.new_empty((k,), dtype=_math_dtype(boxes))
+
+
+def _ops():
+    return _build.ops("nms", _register)
+
+
+# ------------------------------------------------------------------ public API
+
+
+def nms(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float) -> torch.Tensor:
+    """Indices (int64) of the boxes kept by greedy NMS, by decreasing score; like torchvision.ops.nms.
+
+    boxes [N, 4] (x1, y1, x2, y2), scores [N]; a box is suppressed by a kept, higher-scoring box
+    when their IoU is > iou_threshold.
+    """
+    _check_boxes_scores(boxes, scores)
+    thr = _check_number("iou_threshold", iou_threshold)
+    if use_kernel(boxes):
+        return _ops().nms(boxes, scores, thr)
+    return nms_reference(boxes, scores, thr)
+
+
+def nms_normal(dets: torch.Tensor, iou_threshold: float):
+    """mmdet-style hard NMS on dets [N, 5] (x1, y1, x2, y2, score): returns (dets[inds], inds)."""
+    _check_dets(dets)
+    inds = nms(dets[:, :4], dets[:, 4], iou_threshold)
+    return dets[inds], inds
+
+
+def soft_nms(dets: torch.Tensor, iou_threshold: float = 0.3, sigma: float = 0.5, min_score: float = 1e-3,
+             method: str = "linear"):
+    """Soft-NMS (mmcv semantics, see the module doc) on dets [N, 5] (x1, y1, x2, y2, score).
+
+    Returns (kept dets [K, 5] with their rescored scores, inds [K] int64 into dets), both in
+    selection order (which is decreasing rescored score).
+    """
+    _check_dets(dets)
+    thr, sig, low, code = _check_soft_args(iou_threshold, sigma, min_score, method)
+    if not use_kernel(dets):
+        return soft_nms_reference(dets, thr, sig, low, method)
+    inds, new_scores = _ops().nms_soft(dets[:, :4], dets[:, 4], None, thr, sig, low, code)
+    # index_select, not dets[inds, :4]: mixed advanced/slice indexing is ~1000x slower on CPU
+    return torch.cat([dets[:, :4].index_select(0, inds), new_scores.to(dets.dtype).unsqueeze(1)], dim=1), inds
+
+
+def _check_batched(boxes, scores, idxs) -> None:
+    _check_boxes_scores(boxes, scores)
+    check_tensor("idxs", idxs, dtypes=INT_DTYPES)
+    if idxs.dim() != 1 or idxs.size(0) != boxes.size(0):
+        raise ValueError(f"idxs: expected shape [N] with N = {boxes.size(0)} (the boxes), got {tuple(idxs.shape)}")
+    check_same_device(boxes=boxes, idxs=idxs)
+
+
+def batched_soft_nms(boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor, iou_threshold: float = 0.5,
+                     sigma: float = 0.5, score_threshold: float = 1e-3, method: str = "gaussian"):
+    """Soft-NMS run independently per class (idxs: class id of each box).
+
+    Returns (inds [K] int64 into boxes, rescored scores [K] in the dtype of scores), ordered by
+    decreasing rescored score, ties by input index. Equal to running soft_nms on each class and
+    merging the results in that order.
+    """
+    _check_batched(boxes, scores, idxs)
+    thr, sig, low, code = _check_soft_args(iou_threshold, sigma, score_threshold, method)
+    if not use_kernel(boxes):
+        return batched_soft_nms_reference(boxes, scores, idxs, thr, sig, low, method)
+    inds, new_scores = _ops().nms_soft(boxes, scores, idxs.long(), thr, sig, low, code)
+    return inds, new_scores.to(scores.dtype)

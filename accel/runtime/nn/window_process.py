@@ -1,0 +1,158 @@
+"""Swin Transformer window ops: cyclic shift + window partition, and window merge + shift back.
+
+    x_windows = WindowProcess.apply(x, B, H, W, C, -shift_size, window_size)
+        == window_partition(torch.roll(x, (-shift_size, -shift_size), (1, 2)), window_size)
+    x = WindowProcessReverse.apply(attn_windows, B, H, W, C, shift_size, window_size)
+        == torch.roll(window_reverse(attn_windows, window_size, H, W), (shift_size, shift_size), (1, 2))
+
+x is [B, H, W, C]; windows are [B*nW, window_size, window_size, C] with nW = (H/ws)*(W/ws), ordered
+like Swin's window_partition. The shift is torch.roll's: any integer, positive or negative. Each op is
+one gather pass (csrc/{cpu,cuda}/window_process.*) instead of a roll followed by a permute copy; its
+backward is the other op with the opposite shift. CPU and CUDA tensors run the kernels (any float
+dtype: they copy bytes), other devices (XLA) run the plain-PyTorch reference below.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from accel.runtime import _build
+from accel.runtime.nn._common import check_tensor, use_kernel
+
+
+def window_partition(x: torch.Tensor, window_size: int) -> torch.Tensor:
+    """[B, H, W, C] -> [B*nW, ws, ws, C], windows in row-major order of (b, window row, window col)."""
+    B, H, W, C = x.shape
+    ws = window_size
+    x = x.reshape(B, H // ws, ws, W // ws, ws, C)
+    return x.permute(0, 1, 3, 2, 4, 5).reshape(-1, ws, ws, C)
+
+
+def window_reverse(windows: torch.Tensor, window_size: int, H: int, W: int) -> torch.Tensor:
+    """Inverse of window_partition: [B*nW, ws, ws, C] -> [B, H, W, C]."""
+    ws = window_size
+    B = windows.shape[0] // ((H // ws) * (W // ws))
+    x = windows.reshape(B, H // ws, W // ws, ws, ws, -1)
+    return x.permute(0, 1, 3, 2, 4, 5).reshape(B, H, W, -1)
+
+
+def window_process_reference(x: torch.Tensor, shift: int, window_size: int) -> torch.Tensor:
+    return window_partition(torch.roll(x, (shift, shift), (1, 2)), window_size)
+
+
+def window_process_reverse_reference(windows: torch.Tensor, H: int, W: int, shift: int,
+                                     window_size: int) -> torch.Tensor:
+    return torch.roll(window_reverse(windows, window_size, H, W), (shift, shift), (1, 2))
+
+
+def _register():
+    """Output shapes for torch.compile, and the gradients of the raw ops (each other's inverse)."""
+    def partition_fake(x, window_size, shift):
+        B, H, W, C = x.shape
+        return x.new_empty((B * (H // window_size) * (W // window_size), window_size, window_size, C))
+
+    def reverse_fake(windows, H, W, window_size, shift):
+        nW = (H // window_size) * (W // window_size)
+        return windows.new_empty((windows.shape[0] // nW, H, W, windows.shape[3]))
+
+    torch.library.register_fake("accel::window_process_partition")(partition_fake)
+    torch.library.register_fake("accel::window_process_reverse")(reverse_fake)
+
+    def partition_setup(ctx, inputs, output):
+        x, ctx.window_size, ctx.shift = inputs
+        ctx.H, ctx.W = x.shape[1], x.shape[2]
+
+    def partition_backward(ctx, grad):
+        return (torch.ops.accel.window_process_reverse(grad, ctx.H, ctx.W, ctx.window_size, -ctx.shift),
+                None, None)
+
+    def reverse_setup(ctx, inputs, output):
+        _, _, _, ctx.window_size, ctx.shift = inputs
+
+    def reverse_backward(ctx, grad):
+        return (torch.ops.accel.window_process_partition(grad, ctx.window_size, -ctx.shift),
+                None, None, None, None)
+
+    torch.library.register_autograd("accel::window_process_partition", partition_backward,
+                                    setup_context=partition_setup)
+    torch.library.register_autograd("accel::window_process_reverse", reverse_backward,
+                                    setup_context=reverse_setup)
+
+
+def _ops():
+    return _build.ops("window_process", _register)
+
+
+def _as_int(name: str, value, minimum: int | None = None) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name}: expected an int, got bool")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}: expected an int, got {type(value).__name__}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def _check_geometry(B, H, W, C, shift_size, window_size):
+    B = _as_int("B", B, 0)
+    H = _as_int("H", H, 1)
+    W = _as_int("W", W, 1)
+    C = _as_int("C", C, 0)
+    shift = _as_int("shift_size", shift_size)
+    ws = _as_int("window_size", window_size, 1)
+    if H % ws or W % ws:
+        raise ValueError(f"window_size: expected a divisor of H={H} and W={W}, got {ws}")
+    return B, H, W, C, shift, ws
+
+
+def _partition(x, H, W, shift, ws):
+    if use_kernel(x):
+        return _ops().window_process_partition(x, ws, shift)
+    return window_process_reference(x, shift, ws)
+
+
+def _reverse(windows, H, W, shift, ws):
+    if use_kernel(windows):
+        return _ops().window_process_reverse(windows, H, W, ws, shift)
+    return window_process_reverse_reference(windows, H, W, shift, ws)
+
+
+class WindowProcess(torch.autograd.Function):
+    """windows = window_partition(torch.roll(x, (shift_size, shift_size), (1, 2)), window_size)."""
+
+    @staticmethod
+    def forward(ctx, x, B, H, W, C, shift_size, window_size):
+        B, H, W, C, shift, ws = _check_geometry(B, H, W, C, shift_size, window_size)
+        check_tensor("x", x, ndim=4)
+        if tuple(x.shape) != (B, H, W, C):
+            raise ValueError(f"x: expected shape (B, H, W, C) = {(B, H, W, C)}, got {tuple(x.shape)}")
+        ctx.geometry = (H, W, shift, ws)
+        return _partition(x, H, W, shift, ws)
+
+    @staticmethod
+    def backward(ctx, grad):
+        H, W, shift, ws = ctx.geometry
+        return _reverse(grad, H, W, -shift, ws), None, None, None, None, None, None
+
+
+class WindowProcessReverse(torch.autograd.Function):
+    """x = torch.roll(window_reverse(windows, window_size, H, W), (shift_size, shift_size), (1, 2))."""
+
+    @staticmethod
+    def forward(ctx, windows, B, H, W, C, shift_size, window_size):
+        B, H, W, C, shift, ws = _check_geometry(B, H, W, C, shift_size, window_size)
+        check_tensor("windows", windows, ndim=4)
+        expected = (B * (H // ws) * (W // ws), ws, ws, C)
+        if tuple(windows.shape) != expected:
+            raise ValueError(f"windows: expected shape (B*nW, window_size, window_size, C) = {expected}, "
+                             f"got {tuple(windows.shape)}")
+        ctx.geometry = (H, W, shift, ws)
+        return _reverse(windows, H, W, shift, ws)
+
+    @staticmethod
+    def backward(ctx, grad):
+        H, W, shift, ws = ctx.geometry
+        return _partition(grad, H, W, -shift, ws), None, None, None, None, None, None

@@ -1,0 +1,36 @@
+import torch
+
+from accel.runtime.nn.window_process import (WindowProcess, WindowProcessReverse, window_process_reference,
+                                             window_process_reverse_reference)
+
+from . import Case
+
+# Swin-T at 224x224: (H=W, C) of stages 1 and 3, window 7, shift 3 (the shifted blocks).
+STAGES = [("stage1", 56, 96), ("stage3", 14, 384)]
+
+
+def cases(device: str, quick: bool) -> list[Case]:
+    batch = 2 if quick else 32
+    ws, shift = 7, 3
+    partition_ref = torch.compile(window_process_reference)
+    reverse_ref = torch.compile(window_process_reverse_reference)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for stage, hw, c in STAGES:
+            x = torch.randn(batch, hw, hw, c, device=device, dtype=dtype)
+            windows = window_process_reference(x, -shift, ws).contiguous()
+            nbytes = 2 * x.numel() * x.element_size()  # read once, write once
+            label = f"B{batch} {stage} {hw}x{hw}x{c} {str(dtype).replace('torch.', '')}"
+            # the partition's backward is the reverse op and vice versa: these two rows cover all four
+            out.append(Case("window_process partition", label, nbytes,
+                            lambda x=x, b=batch, h=hw, c=c: WindowProcess.apply(x, b, h, h, c, -shift, ws), {
+                "torch eager (roll + partition)": lambda x=x: window_process_reference(x, -shift, ws),
+                "torch.compile(ref)": lambda x=x: partition_ref(x, -shift, ws),
+            }))
+            out.append(Case("window_process reverse", label, nbytes,
+                            lambda w=windows, b=batch, h=hw, c=c: WindowProcessReverse.apply(w, b, h, h, c, shift, ws), {
+                "torch eager (reverse + roll)": lambda w=windows, h=hw: window_process_reverse_reference(
+                    w, h, h, shift, ws),
+                "torch.compile(ref)": lambda w=windows, h=hw: reverse_ref(w, h, h, shift, ws),
+            }))
+    return out

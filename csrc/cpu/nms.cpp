@@ -1,0 +1,333 @@
+// Non-maximum suppression on CPU: hard NMS (torchvision semantics) and soft-NMS (mmcv semantics,
+// optionally per class for batched soft-NMS).
+//
+// Geometry for both: boxes are (x1, y1, x2, y2), area = (x2 - x1) * (y2 - y1) with no +1, and
+// IoU = inter / ((area_a + area_b) - inter), evaluated in this exact order in float (double for
+// float64 inputs) so that results are bit-identical to torchvision's CPU nms and to the PyTorch
+// reference in accel/runtime/nn/nms.py. Half and bfloat16 inputs are computed in float.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace accel {
+namespace {
+
+// Method codes shared with the Python wrapper and csrc/cuda/nms.cu.
+constexpr int64_t kNaive = 0;
+constexpr int64_t kLinear = 1;
+constexpr int64_t kGaussian = 2;
+
+// Below this many candidates the inner suppression loop is cheaper than waking the thread pool.
+constexpr int64_t kParallelSuppress = 8192;
+
+at::ScalarType math_type(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void check_boxes_scores(const at::Tensor& boxes, const at::Tensor& scores, const char* op) {
+  TORCH_CHECK(boxes.dim() == 2 && boxes.size(1) == 4, op, ": boxes must be [N, 4], got ", boxes.sizes());
+  TORCH_CHECK(scores.dim() == 1 && scores.size(0) == boxes.size(0), op, ": scores must be [N] with N = ",
+              boxes.size(0), ", got ", scores.sizes());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hard NMS: visit boxes by decreasing score; a kept box suppresses every later box whose IoU with
+// it is > iou_threshold. The comparison is done in double, like torchvision's (float ovr > double).
+// ---------------------------------------------------------------------------------------------
+at::Tensor nms_cpu(const at::Tensor& boxes_, const at::Tensor& scores_, double iou_threshold) {
+  check_boxes_scores(boxes_, scores_, "nms");
+  const int64_t n = boxes_.size(0);
+  if (n == 0) return at::empty({0}, boxes_.options().dtype(at::kLong));
+
+  // Stable, so boxes with equal scores are visited in input order.
+  const at::Tensor order = std::get<1>(scores_.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true));
+  // Gathering the boxes in visiting order makes the inner loop a linear scan.
+  const at::Tensor sorted = boxes_.index_select(0, order).to(math_type(boxes_)).contiguous();
+  at::Tensor keep = at::empty({n}, boxes_.options().dtype(at::kLong));
+  int64_t kept = 0;
+
+  AT_DISPATCH_FLOATING_TYPES(sorted.scalar_type(), "nms_cpu", [&] {
+    const scalar_t* b = sorted.const_data_ptr<scalar_t>();
+    std::vector<scalar_t> x1(n), y1(n), x2(n), y2(n), area(n);
+    for (int64_t i = 0; i < n; ++i) {
+      x1[i] = b[4 * i];
+      y1[i] = b[4 * i + 1];
+      x2[i] = b[4 * i + 2];
+      y2[i] = b[4 * i + 3];
+      area[i] = (x2[i] - x1[i]) * (y2[i] - y1[i]);
+    }
+    std::vector<uint8_t> suppressed(n, 0);
+    const int64_t* ord = order.const_data_ptr<int64_t>();
+    int64_t* out = keep.mutable_data_ptr<int64_t>();
+
+    for (int64_t i = 0; i < n; ++i) {
+      if (suppressed[i]) continue;
+      out[kept++] = ord[i];
+      const scalar_t ix1 = x1[i], iy1 = y1[i], ix2 = x2[i], iy2 = y2[i], iarea = area[i];
+      // Each j is written by exactly one task, so the bitmap needs no synchronisation.
+      auto suppress = [&](int64_t begin, int64_t end) {
+        for (int64_t j = begin; j < end; ++j) {
+          if (suppressed[j]) continue;
+          const scalar_t w = std::max(scalar_t(0), std::min(ix2, x2[j]) - std::max(ix1, x1[j]));
+          const scalar_t h = std::max(scalar_t(0), std::min(iy2, y2[j]) - std::max(iy1, y1[j]));
+          const scalar_t inter = w * h;
+          const scalar_t ovr = inter / (iarea + area[j] - inter);
+          if (static_cast<double>(ovr) > iou_threshold) suppressed[j] = 1;
+        }
+      };
+      if (n - i - 1 >= kParallelSuppress) {
+        at::parallel_for(i + 1, n, kParallelSuppress / 2, suppress);
+      } else {
+        suppress(i + 1, n);
+      }
+    }
+  });
+  return keep.narrow(0, 0, kept).clone();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Soft-NMS. Repeatedly select the live box with the highest current score (ties: lowest input
+// index), then decay the score of every other live box:
+//   naive:    s = 0            if iou >= iou_threshold
+//   linear:   s *= 1 - iou     if iou >= iou_threshold
+//   gaussian: s *= exp(-iou^2 / sigma)
+// A box whose score is below min_score (initially or after a decay) is dropped. Each round is one
+// pass over the candidates that decays them and finds the next round's argmax; large candidate
+// sets are split into chunks decayed in parallel, each with its own argmax, merged afterwards.
+// Dropped boxes are flagged and squeezed out once they are a quarter of the candidates, so a
+// round costs O(live boxes) without a serial compaction every round.
+// ---------------------------------------------------------------------------------------------
+
+// Below this many candidates a round runs on one thread: waking the pool would cost more.
+constexpr int64_t kParallelSoft = 4096;
+
+template <typename T>
+struct SoftNmsCandidates {
+  std::vector<T> x1, y1, x2, y2, area, score;
+  std::vector<int64_t> id;
+  std::vector<uint8_t> dead;
+  int64_t size = 0;
+
+  // Larger current score first, then lower input index; -1 is "none".
+  bool better(int64_t a, int64_t b) const {
+    if (b < 0) return true;
+    return score[a] > score[b] || (score[a] == score[b] && id[a] < id[b]);
+  }
+
+  // Squeeze out dead entries; returns the new position of `keep_pos` (or -1).
+  int64_t compact(int64_t keep_pos) {
+    int64_t w = 0, moved = -1;
+    for (int64_t r = 0; r < size; ++r) {
+      if (dead[r]) continue;
+      if (r == keep_pos) moved = w;
+      x1[w] = x1[r];
+      y1[w] = y1[r];
+      x2[w] = x2[r];
+      y2[w] = y2[r];
+      area[w] = area[r];
+      score[w] = score[r];
+      id[w] = id[r];
+      dead[w] = 0;
+      ++w;
+    }
+    size = w;
+    return moved;
+  }
+};
+
+template <typename T>
+int64_t soft_nms_loop(const T* box, const T* score, int64_t n, T thr, T sigma,
+                      T min_score, int64_t method, int64_t* out_idx, T* out_score) {
+  SoftNmsCandidates<T> c;
+  for (auto* v : {&c.x1, &c.y1, &c.x2, &c.y2, &c.area, &c.score}) v->reserve(n);
+  c.id.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    if (!(score[i] >= min_score)) continue;  // also drops NaN scores
+    const T bx1 = box[4 * i], by1 = box[4 * i + 1], bx2 = box[4 * i + 2], by2 = box[4 * i + 3];
+    c.x1.push_back(bx1);
+    c.y1.push_back(by1);
+    c.x2.push_back(bx2);
+    c.y2.push_back(by2);
+    c.area.push_back((bx2 - bx1) * (by2 - by1));
+    c.score.push_back(score[i]);
+    c.id.push_back(i);
+  }
+  c.size = static_cast<int64_t>(c.id.size());
+  c.dead.assign(c.size, 0);
+  // With iou_threshold <= 0, even disjoint boxes (iou 0) are decayed by the naive method.
+  const T disjoint_weight = (method == kNaive && T(0) >= thr) ? T(0) : T(1);
+
+  // Decay [begin, end) against the selected box; returns the local argmax and counts new deaths.
+  auto decay = [&](int64_t begin, int64_t end, T bx1, T by1, T bx2, T by2, T barea, int64_t& died) {
+    int64_t best = -1;
+    for (int64_t p = begin; p < end; ++p) {
+      if (c.dead[p]) continue;
+      {
+        const T w = std::max(T(0), std::min(bx2, c.x2[p]) - std::max(bx1, c.x1[p]));
+        const T h = std::max(T(0), std::min(by2, c.y2[p]) - std::max(by1, c.y1[p]));
+        const T inter = w * h;
+        T weight = disjoint_weight;
+        if (inter != T(0)) {
+          const T ovr = inter / (barea + c.area[p] - inter);
+          if (method == kGaussian) {
+            weight = std::exp(-(ovr * ovr) / sigma);
+          } else if (ovr >= thr) {
+            weight = method == kLinear ? T(1) - ovr : T(0);
+          } else {
+            weight = T(1);
+          }
+        }
+        if (weight != T(1)) {
+          c.score[p] *= weight;
+          if (!(c.score[p] >= min_score)) {
+            c.dead[p] = 1;
+            ++died;
+            continue;
+          }
+        }
+      }
+      if (c.better(p, best)) best = p;
+    }
+    return best;
+  };
+
+  int64_t best = -1;
+  for (int64_t p = 0; p < c.size; ++p)
+    if (c.better(p, best)) best = p;
+  int64_t live = c.size;  // candidates not dead
+  int64_t k = 0;
+  const int64_t max_chunks = std::max<int64_t>(1, at::get_num_threads()) * 4;
+  std::vector<int64_t> chunk_best(max_chunks), chunk_died(max_chunks);
+  while (best >= 0) {
+    out_idx[k] = c.id[best];
+    out_score[k] = c.score[best];
+    ++k;
+    c.dead[best] = 1;
+    --live;
+    const T bx1 = c.x1[best], by1 = c.y1[best], bx2 = c.x2[best], by2 = c.y2[best], barea = c.area[best];
+    int64_t died = 0;
+    if (c.size < kParallelSoft || max_chunks == 1) {
+      best = decay(0, c.size, bx1, by1, bx2, by2, barea, died);
+    } else {
+      const int64_t chunks = std::min<int64_t>(max_chunks, c.size / (kParallelSoft / 4));
+      const int64_t step = (c.size + chunks - 1) / chunks;
+      at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+        for (int64_t ch = cb; ch < ce; ++ch) {
+          int64_t d = 0;
+          chunk_best[ch] = decay(ch * step, std::min(c.size, (ch + 1) * step), bx1, by1, bx2, by2, barea, d);
+          chunk_died[ch] = d;
+        }
+      });
+      best = -1;
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        died += chunk_died[ch];
+        if (chunk_best[ch] >= 0 && c.better(chunk_best[ch], best)) best = chunk_best[ch];
+      }
+    }
+    live -= died;
+    if (c.size - live > c.size / 4) best = c.compact(best);
+  }
+  return k;
+}
+
+// Batched soft-NMS: classes never interact, so each class runs its own loop (classes in parallel,
+// O(sum of n_c^2) instead of O(n^2)); the results are merged by decreasing rescored score, ties by
+// input index, which is the order one greedy loop over all classes would select them in.
+template <typename T>
+int64_t batched_soft_nms_loop(const T* box, const T* score, const int64_t* label, int64_t n, T thr, T sigma,
+                              T min_score, int64_t method, int64_t* out_idx, T* out_score) {
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return label[a] < label[b]; });
+  std::vector<int64_t> starts;  // class c is order[starts[c] .. starts[c + 1])
+  for (int64_t i = 0; i < n; ++i)
+    if (i == 0 || label[order[i]] != label[order[i - 1]]) starts.push_back(i);
+  starts.push_back(n);
+  const int64_t classes = static_cast<int64_t>(starts.size()) - 1;
+
+  // Class c gathers its boxes into, and writes its results to, rows starts[c] .. of the buffers.
+  std::vector<T> cls_box(4 * n), cls_score(n), kept_score(n);
+  std::vector<int64_t> kept_idx(n), kept(classes);
+  at::parallel_for(0, classes, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t c = cb; c < ce; ++c) {
+      const int64_t s0 = starts[c], len = starts[c + 1] - s0;
+      for (int64_t r = 0; r < len; ++r) {
+        const int64_t i = order[s0 + r];
+        std::copy(box + 4 * i, box + 4 * i + 4, cls_box.begin() + 4 * (s0 + r));
+        cls_score[s0 + r] = score[i];
+      }
+      kept[c] = soft_nms_loop<T>(cls_box.data() + 4 * s0, cls_score.data() + s0, len, thr, sigma, min_score,
+                                 method, kept_idx.data() + s0, kept_score.data() + s0);
+      for (int64_t r = 0; r < kept[c]; ++r) kept_idx[s0 + r] = order[s0 + kept_idx[s0 + r]];
+    }
+  });
+
+  std::vector<int64_t> rows;
+  for (int64_t c = 0; c < classes; ++c)
+    for (int64_t r = 0; r < kept[c]; ++r) rows.push_back(starts[c] + r);
+  std::sort(rows.begin(), rows.end(), [&](int64_t a, int64_t b) {
+    return kept_score[a] > kept_score[b] || (kept_score[a] == kept_score[b] && kept_idx[a] < kept_idx[b]);
+  });
+  for (size_t k = 0; k < rows.size(); ++k) {
+    out_idx[k] = kept_idx[rows[k]];
+    out_score[k] = kept_score[rows[k]];
+  }
+  return static_cast<int64_t>(rows.size());
+}
+
+// Returns (inds [K] int64, rescored scores [K] in float, or double for float64 boxes), in selection
+// order. labels: optional int64 [N]; boxes with different labels never interact. The caller
+// gathers the kept boxes, so the op's outputs do not depend on the boxes' storage dtype.
+std::tuple<at::Tensor, at::Tensor> soft_nms_cpu(const at::Tensor& boxes_, const at::Tensor& scores_,
+                                                const std::optional<at::Tensor>& labels_, double iou_threshold,
+                                                double sigma, double min_score, int64_t method) {
+  check_boxes_scores(boxes_, scores_, "soft_nms");
+  TORCH_CHECK(method == kNaive || method == kLinear || method == kGaussian, "soft_nms: unknown method ", method);
+  const int64_t n = boxes_.size(0);
+  at::Tensor labels;
+  if (labels_.has_value()) {
+    labels = labels_->to(at::kLong).contiguous();
+    TORCH_CHECK(labels.dim() == 1 && labels.size(0) == n, "soft_nms: labels must be [N] with N = ", n);
+  }
+  const auto mt = math_type(boxes_);
+  const at::Tensor b = boxes_.to(mt).contiguous();
+  const at::Tensor s = scores_.to(mt).contiguous();
+  at::Tensor inds = at::empty({n}, boxes_.options().dtype(at::kLong));
+  at::Tensor new_scores = at::empty({n}, b.options());
+  int64_t k = 0;
+  AT_DISPATCH_FLOATING_TYPES(mt, "soft_nms_cpu", [&] {
+    const auto thr = static_cast<scalar_t>(iou_threshold);
+    const auto sig = static_cast<scalar_t>(sigma);
+    const auto low = static_cast<scalar_t>(min_score);
+    if (labels.defined()) {
+      k = batched_soft_nms_loop<scalar_t>(b.const_data_ptr<scalar_t>(), s.const_data_ptr<scalar_t>(),
+                                          labels.const_data_ptr<int64_t>(), n, thr, sig, low, method,
+                                          inds.mutable_data_ptr<int64_t>(), new_scores.mutable_data_ptr<scalar_t>());
+    } else {
+      k = soft_nms_loop<scalar_t>(b.const_data_ptr<scalar_t>(), s.const_data_ptr<scalar_t>(), n, thr, sig, low,
+                                  method, inds.mutable_data_ptr<int64_t>(), new_scores.mutable_data_ptr<scalar_t>());
+    }
+  });
+  return {inds.narrow(0, 0, k).clone(), new_scores.narrow(0, 0, k).clone()};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(accel, m) {
+  m.def("nms(Tensor boxes, Tensor scores, float iou_threshold) -> Tensor");
+  m.def(
+      "nms_soft(Tensor boxes, Tensor scores, Tensor? labels, float iou_threshold, float sigma, "
+      "float min_score, int method) -> (Tensor inds, Tensor scores)");
+}
+
+TORCH_LIBRARY_IMPL(accel, CPU, m) {
+  m.impl("nms", &nms_cpu);
+  m.impl("nms_soft", &soft_nms_cpu);
+}
+
+}  // namespace accel

@@ -1,0 +1,319 @@
+// Fused Swin window attention scores on CUDA: softmax(attn + relative_pos_bias + attn_mask) over the
+// last dim, and its backward (see csrc/cpu/fmha.cpp for the schemas and shapes).
+//
+// Forward: one warp per row of N <= 1024 scores (two rows at a time, for memory-level parallelism). Each lane keeps its ceil(N/32) values in registers
+// (KPT, a template parameter picked from N), so attn is read once and the output written once; the
+// max and the sum are fp32 (fp64 for double) warp-shuffle reductions. bias/mask rows are tiny and
+// shared by many rows, so they stay in cache.
+// Backward: dx = y * (g - sum(g * y)) per row, again one warp per row. The bias gradient sums dx over
+// the B*nW windows without atomics: a block owns one (head, query row) pair and one chunk of windows,
+// its warps accumulate that bias row in registers, combine through shared memory in a fixed order and
+// write one partial row; a second kernel sums the partial rows over the chunks in order. Results are
+// therefore bitwise reproducible. Rows and blocks are counted on a 1-D grid (no gridDim.y/z limits).
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+
+namespace accel {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kMaxN = 1024;
+
+template <typename T>
+__device__ __forceinline__ T warp_max(T v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float exp_op(float v) { return expf(v); }
+__device__ __forceinline__ double exp_op(double v) { return exp(v); }
+
+// Rows each warp handles at once: their loads are all issued before the first reduction, so a
+// warp keeps twice the bytes in flight (Swin rows are short: 49 values, under 2 per lane).
+constexpr int kRows = 2;
+
+// Forward. rows = B*nW*nH*N; row r is query i = r % N of head h = (r / N) % nH of window-batch
+// row bw = r / (N*nH), whose mask is window bw % nW. Warp q handles rows kRows*q ... kRows*q+kRows-1.
+template <typename scalar_t, int KPT>
+__global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const at::opmath_type<scalar_t>* __restrict__ bias,
+                                const at::opmath_type<scalar_t>* __restrict__ mask, scalar_t* __restrict__ out,
+                                int64_t rows, int N, int nH, int nW) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp) * kRows;
+  if (first >= rows) return;  // uniform over the warp: whole warps leave, shuffles stay full
+
+  acc_t v[kRows][KPT];
+  acc_t mx[kRows];
+#pragma unroll
+  for (int q = 0; q < kRows; ++q) {
+    const int64_t row = first + q;
+    mx[q] = -std::numeric_limits<acc_t>::infinity();
+    const bool valid = row < rows;  // uniform over the warp
+    const int64_t i = row % N;
+    const int64_t t = row / N;
+    const int64_t h = t % nH;
+    const int64_t w = (t / nH) % nW;
+    const scalar_t* a = attn + row * N;
+    const acc_t* b = bias + (h * N + i) * N;
+    const acc_t* m = mask != nullptr ? mask + (w * N + i) * N : nullptr;
+#pragma unroll
+    for (int k = 0; k < KPT; ++k) {
+      const int j = lane + k * kWarp;
+      if (valid && j < N) {
+        v[q][k] = static_cast<acc_t>(a[j]) + b[j] + (m != nullptr ? m[j] : acc_t(0));
+        mx[q] = max(mx[q], v[q][k]);
+      }
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < kRows; ++q) mx[q] = warp_max(mx[q]);
+  acc_t sum[kRows];
+#pragma unroll
+  for (int q = 0; q < kRows; ++q) {
+    sum[q] = 0;
+#pragma unroll
+    for (int k = 0; k < KPT; ++k) {
+      if (first + q < rows && lane + k * kWarp < N) {
+        v[q][k] = exp_op(v[q][k] - mx[q]);
+        sum[q] += v[q][k];
+      }
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < kRows; ++q) sum[q] = warp_sum(sum[q]);
+#pragma unroll
+  for (int q = 0; q < kRows; ++q) {
+    if (first + q >= rows) break;
+    const acc_t inv = acc_t(1) / sum[q];
+    scalar_t* y = out + (first + q) * N;
+#pragma unroll
+    for (int k = 0; k < KPT; ++k) {
+      const int j = lane + k * kWarp;
+      if (j < N) y[j] = static_cast<scalar_t>(v[q][k] * inv);
+    }
+  }
+}
+
+// Backward, fused with the first stage of the bias-gradient reduction.
+// Block blockIdx.x = c * (nH*N) + e owns bias row e = h*N + i and windows [c*chunk, (c+1)*chunk);
+// its warps take kRows windows at a time.
+template <typename scalar_t, int KPT>
+__global__ void fmha_bwd_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ out,
+                                scalar_t* __restrict__ dx, at::opmath_type<scalar_t>* __restrict__ partial,
+                                int64_t BnW, int64_t bias_rows, int N, int64_t chunk) {
+  using acc_t = at::opmath_type<scalar_t>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  acc_t* smem = reinterpret_cast<acc_t*>(smem_raw);  // [warps][N]
+  const int lane = threadIdx.x % kWarp;
+  const int warp = threadIdx.x / kWarp;
+  const int warps = blockDim.x / kWarp;
+  const int64_t e = blockIdx.x % bias_rows;
+  const int64_t c = blockIdx.x / bias_rows;
+  const int64_t bw_end = min(BnW, (c + 1) * chunk);
+
+  acc_t acc[KPT];
+#pragma unroll
+  for (int k = 0; k < KPT; ++k) acc[k] = 0;
+
+  for (int64_t bw0 = c * chunk + warp; bw0 < bw_end; bw0 += kRows * warps) {
+    acc_t g[kRows][KPT], y[kRows][KPT], dot[kRows];
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) {
+      const int64_t bw = bw0 + q * warps;
+      const int64_t base = (bw * bias_rows + e) * N;
+      dot[q] = 0;
+#pragma unroll
+      for (int k = 0; k < KPT; ++k) {
+        const int j = lane + k * kWarp;
+        const bool in = bw < bw_end && j < N;
+        g[q][k] = in ? static_cast<acc_t>(grad[base + j]) : acc_t(0);
+        y[q][k] = in ? static_cast<acc_t>(out[base + j]) : acc_t(0);
+        dot[q] += g[q][k] * y[q][k];
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) dot[q] = warp_sum(dot[q]);
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) {
+      const int64_t bw = bw0 + q * warps;
+      if (bw >= bw_end) break;  // uniform over the warp
+      const int64_t base = (bw * bias_rows + e) * N;
+#pragma unroll
+      for (int k = 0; k < KPT; ++k) {
+        const int j = lane + k * kWarp;
+        if (j < N) {
+          const acc_t d = y[q][k] * (g[q][k] - dot[q]);
+          dx[base + j] = static_cast<scalar_t>(d);
+          acc[k] += d;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < KPT; ++k) {
+    const int j = lane + k * kWarp;
+    if (j < N) smem[warp * N + j] = acc[k];
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < N; j += blockDim.x) {
+    acc_t s = 0;
+    for (int q = 0; q < warps; ++q) s += smem[q * N + j];
+    partial[(c * bias_rows + e) * N + j] = s;
+  }
+}
+
+// Second stage: dbias[e] = sum over chunks c (in order) of partial[c][e].
+template <typename acc_t>
+__global__ void sum_chunks_kernel(const acc_t* __restrict__ partial, acc_t* __restrict__ dbias, int64_t numel,
+                                  int64_t chunks) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < numel;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    acc_t s = 0;
+    for (int64_t c = 0; c < chunks; ++c) s += partial[c * numel + e];
+    dbias[e] = s;
+  }
+}
+
+// Calls f(std::integral_constant<int, KPT>) with the smallest KPT in {1, 2, 4, ..., 32} with 32*KPT >= N.
+template <typename F>
+void dispatch_kpt(int N, F&& f) {
+  if (N <= 32) f(std::integral_constant<int, 1>());
+  else if (N <= 64) f(std::integral_constant<int, 2>());
+  else if (N <= 128) f(std::integral_constant<int, 4>());
+  else if (N <= 256) f(std::integral_constant<int, 8>());
+  else if (N <= 512) f(std::integral_constant<int, 16>());
+  else f(std::integral_constant<int, 32>());
+}
+
+void check_inputs(const at::Tensor& attn, const at::Tensor& bias, const std::optional<at::Tensor>& mask,
+                  int64_t window_num) {
+  TORCH_CHECK(attn.dim() == 4 && attn.size(2) == attn.size(3),
+              "fmha_swin_fwd: attn must be [B*nW, nH, N, N], got ", attn.sizes());
+  const int64_t nH = attn.size(1), N = attn.size(2);
+  TORCH_CHECK(N <= kMaxN, "fmha_swin_fwd: the CUDA kernel handles N <= ", kMaxN, ", got N=", N);
+  TORCH_CHECK(bias.dim() == 3 && bias.size(0) == nH && bias.size(1) == N && bias.size(2) == N,
+              "fmha_swin_fwd: relative_pos_bias must be [nH, N, N] = [", nH, ", ", N, ", ", N, "], got ",
+              bias.sizes());
+  TORCH_CHECK(bias.device() == attn.device(), "fmha_swin_fwd: bias must be on ", attn.device());
+  TORCH_CHECK(window_num > 0 && attn.size(0) % window_num == 0, "fmha_swin_fwd: window_num=", window_num,
+              " must be positive and divide attn.size(0)=", attn.size(0));
+  TORCH_CHECK(nH <= std::numeric_limits<int>::max() && window_num <= std::numeric_limits<int>::max(),
+              "fmha_swin_fwd: nH and window_num must fit in int32");
+  if (mask.has_value()) {
+    const auto& m = *mask;
+    TORCH_CHECK(m.dim() == 3 && m.size(0) == window_num && m.size(1) == N && m.size(2) == N,
+                "fmha_swin_fwd: attn_mask must be [nW, N, N] = [", window_num, ", ", N, ", ", N, "], got ",
+                m.sizes());
+    TORCH_CHECK(m.device() == attn.device(), "fmha_swin_fwd: attn_mask must be on ", attn.device());
+  }
+}
+
+at::Tensor fmha_fwd_cuda(const at::Tensor& attn_, const at::Tensor& bias_, const std::optional<at::Tensor>& mask_,
+                         int64_t window_num) {
+  check_inputs(attn_, bias_, mask_, window_num);
+  c10::cuda::CUDAGuard guard(attn_.device());
+  auto attn = attn_.contiguous();
+  auto out = at::empty_like(attn);
+  if (attn.numel() == 0) return out;
+  const int64_t nH = attn.size(1), N = attn.size(2);
+  const int64_t rows = attn.size(0) * nH * N;
+  constexpr int threads = 256;
+  constexpr int rows_per_block = threads / kWarp * kRows;
+  const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
+  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "fmha_swin_fwd: too many rows (", rows, ")");
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "fmha_swin_fwd_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto op_dtype = c10::CppTypeToScalarType<acc_t>::value;
+    const auto bias = bias_.to(op_dtype).contiguous();
+    at::Tensor mask;
+    if (mask_.has_value()) mask = mask_->to(op_dtype).contiguous();
+    const acc_t* m = mask.defined() ? mask.const_data_ptr<acc_t>() : nullptr;
+    dispatch_kpt(static_cast<int>(N), [&](auto kpt) {
+      fmha_fwd_kernel<scalar_t, decltype(kpt)::value><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+          attn.const_data_ptr<scalar_t>(), bias.const_data_ptr<acc_t>(), m, out.mutable_data_ptr<scalar_t>(),
+          rows, static_cast<int>(N), static_cast<int>(nH), static_cast<int>(window_num));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> fmha_bwd_cuda(const at::Tensor& grad_, const at::Tensor& out_) {
+  TORCH_CHECK(out_.dim() == 4 && out_.size(2) == out_.size(3),
+              "fmha_swin_bwd: out must be [B*nW, nH, N, N], got ", out_.sizes());
+  TORCH_CHECK(grad_.sizes() == out_.sizes(), "fmha_swin_bwd: grad ", grad_.sizes(), " and out ", out_.sizes(),
+              " differ in shape");
+  TORCH_CHECK(out_.size(2) <= kMaxN, "fmha_swin_bwd: the CUDA kernel handles N <= ", kMaxN);
+  c10::cuda::CUDAGuard guard(out_.device());
+  auto out = out_.contiguous();
+  auto grad = grad_.to(out.scalar_type()).contiguous();
+  const int64_t BnW = out.size(0), nH = out.size(1), N = out.size(2);
+  auto dx = at::empty_like(out);
+  at::Tensor dbias;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "fmha_swin_bwd_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto op_dtype = c10::CppTypeToScalarType<acc_t>::value;
+    if (out.numel() == 0) {
+      dbias = at::zeros({nH, N, N}, out.options().dtype(op_dtype));
+      return;
+    }
+    constexpr int threads = 128;
+    constexpr int warps = threads / kWarp;
+    const int64_t bias_rows = nH * N;
+    // Enough blocks to fill the GPU (~16 per SM, 64 warps), each walking as many windows as that
+    // allows: fewer chunks mean fewer partial rows for the second stage to add up.
+    const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const int64_t want_chunks = std::max<int64_t>(1, (sms * 16 + bias_rows - 1) / bias_rows);
+    const int64_t chunk = std::max<int64_t>(warps * kRows, (BnW + want_chunks - 1) / want_chunks);
+    const int64_t chunks = (BnW + chunk - 1) / chunk;
+    const int64_t blocks = chunks * bias_rows;
+    TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "fmha_swin_bwd: too many rows");
+    dbias = at::empty({nH, N, N}, out.options().dtype(op_dtype));
+    at::Tensor partial = chunks == 1 ? dbias : at::empty({chunks, nH, N, N}, out.options().dtype(op_dtype));
+    const size_t smem = static_cast<size_t>(warps) * N * sizeof(acc_t);
+    dispatch_kpt(static_cast<int>(N), [&](auto kpt) {
+      fmha_bwd_kernel<scalar_t, decltype(kpt)::value><<<static_cast<unsigned>(blocks), threads, smem, stream>>>(
+          grad.const_data_ptr<scalar_t>(), out.const_data_ptr<scalar_t>(), dx.mutable_data_ptr<scalar_t>(),
+          partial.mutable_data_ptr<acc_t>(), BnW, bias_rows, static_cast<int>(N), chunk);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    if (chunks > 1) {
+      const int64_t numel = bias_rows * N;
+      const int64_t sum_blocks = std::min<int64_t>((numel + 255) / 256, sms * 8);
+      sum_chunks_kernel<acc_t><<<static_cast<unsigned>(sum_blocks), 256, 0, stream>>>(
+          partial.const_data_ptr<acc_t>(), dbias.mutable_data_ptr<acc_t>(), numel, chunks);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return {dx, dbias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(accel, CUDA, m) {
+  m.impl("fmha_swin_fwd", &fmha_fwd_cuda);
+  m.impl("fmha_swin_bwd", &fmha_bwd_cuda);
+}
+
+}  // namespace accel

@@ -1,0 +1,503 @@
+// LayerNorm forward and backward on CUDA (schemas: csrc/cpu/layer_norm.cpp).
+//
+// x is [M, N] (rows x normalized size). Forward and dx: a team of `tpr` threads per row, tpr a
+// power of two from 32 (one warp per row, several rows per block: small and medium N) up to 1024
+// (one block per row: large N), so no thread handles more than a few dozen elements. A team
+// reduces with warp shuffles and, when wider than a warp, through shared memory. Statistics are
+// in float (double for float64 x): shifted sums per thread, merged across threads as Welford states. Loads and stores are 16-byte vectors when N and every
+// pointer allow it. dweight/dbias: a column reduction over rows in two deterministic stages
+// (per row-chunk partials in fp32, then a fixed-order sum), with no atomics.
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+
+namespace accel {
+namespace {
+
+template <typename T> struct AccOf { using type = float; };
+template <> struct AccOf<double> { using type = double; };
+
+template <typename U, int V>
+struct alignas(sizeof(U) * V) Pack {
+  U v[V];
+};
+
+constexpr int kWarp = 32;
+constexpr int kMaxTeam = 1024;
+
+__device__ __forceinline__ float rsqrt_(float v) { return rsqrtf(v); }
+__device__ __forceinline__ double rsqrt_(double v) { return 1.0 / sqrt(v); }
+
+template <typename acc_t>
+struct Welford {
+  acc_t mean, m2, count;
+};
+
+template <typename acc_t>
+__device__ __forceinline__ Welford<acc_t> combine(const Welford<acc_t>& a, const Welford<acc_t>& b) {
+  const acc_t n = a.count + b.count;
+  if (n == acc_t(0)) return a;
+  const acc_t d = b.mean - a.mean;
+  const acc_t fb = b.count / n;
+  return {a.mean + d * fb, a.m2 + b.m2 + d * d * a.count * fb, n};
+}
+
+template <typename acc_t>
+struct Sums {
+  acc_t a, b;
+};
+
+template <typename acc_t>
+__device__ __forceinline__ Sums<acc_t> combine(const Sums<acc_t>& x, const Sums<acc_t>& y) {
+  return {x.a + y.a, x.b + y.b};
+}
+
+template <typename acc_t>
+__device__ __forceinline__ Welford<acc_t> shfl_xor(const Welford<acc_t>& w, int m) {
+  return {__shfl_xor_sync(0xffffffffu, w.mean, m), __shfl_xor_sync(0xffffffffu, w.m2, m),
+          __shfl_xor_sync(0xffffffffu, w.count, m)};
+}
+
+template <typename acc_t>
+__device__ __forceinline__ Sums<acc_t> shfl_xor(const Sums<acc_t>& s, int m) {
+  return {__shfl_xor_sync(0xffffffffu, s.a, m), __shfl_xor_sync(0xffffffffu, s.b, m)};
+}
+
+template <typename acc_t>
+__device__ __forceinline__ Welford<acc_t> shfl_lane0(const Welford<acc_t>& w) {
+  return {__shfl_sync(0xffffffffu, w.mean, 0), __shfl_sync(0xffffffffu, w.m2, 0),
+          __shfl_sync(0xffffffffu, w.count, 0)};
+}
+
+template <typename acc_t>
+__device__ __forceinline__ Sums<acc_t> shfl_lane0(const Sums<acc_t>& s) {
+  return {__shfl_sync(0xffffffffu, s.a, 0), __shfl_sync(0xffffffffu, s.b, 0)};
+}
+
+// All `tpr` threads of a row team get the team's combined value. `smem` holds one V per warp of
+// the block. Every thread of the block must call this the same number of times (it may sync).
+template <typename V>
+__device__ __forceinline__ V team_allreduce(V v, V* smem, int tpr) {
+#pragma unroll
+  for (int m = kWarp / 2; m > 0; m >>= 1) v = combine(v, shfl_xor(v, m));
+  // combine(a, b) and combine(b, a) may round differently: let every lane use lane 0's result,
+  // so that a row's outputs and its saved statistics agree bit for bit.
+  v = shfl_lane0(v);
+  if (tpr == kWarp) return v;
+  const int warp = threadIdx.x / kWarp;
+  if (threadIdx.x % kWarp == 0) smem[warp] = v;
+  __syncthreads();
+  const int first = (threadIdx.x / tpr) * (tpr / kWarp);
+  V r = smem[first];
+  for (int i = 1; i < tpr / kWarp; ++i) r = combine(r, smem[first + i]);
+  __syncthreads();  // smem is reused by the next row
+  return r;
+}
+
+// grid-stride over groups of rows so that every thread of a block runs the same number of
+// iterations (team_allreduce syncs the block when a team spans several warps).
+// launch bounds: teams of up to 1024 threads must fit the register file (<= 64 per thread)
+template <typename T, typename P, int VEC>
+__global__ void __launch_bounds__(kMaxTeam) layer_norm_fwd_kernel(const T* __restrict__ x, const P* __restrict__ w, const P* __restrict__ b,
+                                      T* __restrict__ y, typename AccOf<T>::type* __restrict__ mean_out,
+                                      typename AccOf<T>::type* __restrict__ rstd_out, int64_t M, int64_t N,
+                                      typename AccOf<T>::type eps, int tpr) {
+  using acc_t = typename AccOf<T>::type;
+  __shared__ Welford<acc_t> smem[kMaxTeam / kWarp];
+  const int rpb = blockDim.x / tpr;
+  const int lane = threadIdx.x % tpr;
+  const int64_t nvec = N / VEC;
+  for (int64_t base = (int64_t)blockIdx.x * rpb; base < M; base += (int64_t)gridDim.x * rpb) {
+    const int64_t row = base + threadIdx.x / tpr;
+    const bool valid = row < M;
+    const Pack<T, VEC>* xr = reinterpret_cast<const Pack<T, VEC>*>(x + (valid ? row : 0) * N);
+    // Per thread: sums of (x - shift) and its square, shifted by one of the row's own values so
+    // that the one-pass variance does not cancel for rows far from zero; one division per thread
+    // (a per-element Welford update costs a division per element, too slow for bf16 rows).
+    // Threads then merge (count, mean, M2) exactly (Chan et al.).
+    Welford<acc_t> st{acc_t(0), acc_t(0), acc_t(0)};
+    if (valid && lane < nvec) {
+      const acc_t shift = static_cast<acc_t>(xr[lane].v[0]);
+      acc_t s1 = 0, s2 = 0;
+      int64_t cnt = 0;
+      for (int64_t v = lane; v < nvec; v += tpr) {
+        const Pack<T, VEC> p = xr[v];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const acc_t d = static_cast<acc_t>(p.v[k]) - shift;
+          s1 += d;
+          s2 += d * d;
+        }
+        cnt += VEC;
+      }
+      const acc_t n = static_cast<acc_t>(cnt);
+      const acc_t dm = s1 / n;
+      st = {shift + dm, max(s2 - s1 * dm, acc_t(0)), n};
+    }
+    st = team_allreduce(st, smem, tpr);
+    if (!valid) continue;
+    const acc_t mu = st.mean;
+    const acc_t rs = rsqrt_(st.m2 / static_cast<acc_t>(N) + eps);
+    if (lane == 0) {
+      mean_out[row] = mu;
+      rstd_out[row] = rs;
+    }
+    Pack<T, VEC>* yr = reinterpret_cast<Pack<T, VEC>*>(y + row * N);
+    const Pack<P, VEC>* wv = reinterpret_cast<const Pack<P, VEC>*>(w);
+    const Pack<P, VEC>* bv = reinterpret_cast<const Pack<P, VEC>*>(b);
+    for (int64_t v = lane; v < nvec; v += tpr) {
+      const Pack<T, VEC> p = xr[v];
+      Pack<P, VEC> pw, pb;
+      if (w != nullptr) pw = wv[v];
+      if (b != nullptr) pb = bv[v];
+      Pack<T, VEC> out;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        acc_t o = (static_cast<acc_t>(p.v[k]) - mu) * rs;
+        if (w != nullptr) o *= static_cast<acc_t>(pw.v[k]);
+        if (b != nullptr) o += static_cast<acc_t>(pb.v[k]);
+        out.v[k] = static_cast<T>(o);
+      }
+      yr[v] = out;
+    }
+  }
+}
+
+// dx = rstd * (w*dy - mean_j(w*dy) - xhat * mean_j(w*dy*xhat)), xhat = (x - mean) * rstd.
+template <typename T, typename P, int VEC>
+__global__ void __launch_bounds__(kMaxTeam) layer_norm_bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                         const typename AccOf<T>::type* __restrict__ mean,
+                                         const typename AccOf<T>::type* __restrict__ rstd, const P* __restrict__ w,
+                                         T* __restrict__ dx, int64_t M, int64_t N, int tpr) {
+  using acc_t = typename AccOf<T>::type;
+  __shared__ Sums<acc_t> smem[kMaxTeam / kWarp];
+  const int rpb = blockDim.x / tpr;
+  const int lane = threadIdx.x % tpr;
+  const int64_t nvec = N / VEC;
+  const Pack<P, VEC>* wv = reinterpret_cast<const Pack<P, VEC>*>(w);
+  const acc_t inv_n = acc_t(1) / static_cast<acc_t>(N);
+  for (int64_t base = (int64_t)blockIdx.x * rpb; base < M; base += (int64_t)gridDim.x * rpb) {
+    const int64_t row = base + threadIdx.x / tpr;
+    const bool valid = row < M;
+    const int64_t r = valid ? row : 0;
+    const Pack<T, VEC>* xr = reinterpret_cast<const Pack<T, VEC>*>(x + r * N);
+    const Pack<T, VEC>* gr = reinterpret_cast<const Pack<T, VEC>*>(dy + r * N);
+    const acc_t mu = mean[r], rs = rstd[r];
+    Sums<acc_t> s{acc_t(0), acc_t(0)};
+    if (valid) {
+      for (int64_t v = lane; v < nvec; v += tpr) {
+        const Pack<T, VEC> px = xr[v];
+        const Pack<T, VEC> pg = gr[v];
+        Pack<P, VEC> pw;
+        if (w != nullptr) pw = wv[v];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          acc_t wg = static_cast<acc_t>(pg.v[k]);
+          if (w != nullptr) wg *= static_cast<acc_t>(pw.v[k]);
+          s.a += wg;
+          s.b += wg * (static_cast<acc_t>(px.v[k]) - mu);
+        }
+      }
+    }
+    s = team_allreduce(s, smem, tpr);
+    if (!valid) continue;
+    const acc_t a = s.a * inv_n;
+    const acc_t bsum = s.b * rs * inv_n;
+    Pack<T, VEC>* dxr = reinterpret_cast<Pack<T, VEC>*>(dx + row * N);
+    for (int64_t v = lane; v < nvec; v += tpr) {
+      const Pack<T, VEC> px = xr[v];
+      const Pack<T, VEC> pg = gr[v];
+      Pack<P, VEC> pw;
+      if (w != nullptr) pw = wv[v];
+      Pack<T, VEC> out;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        acc_t wg = static_cast<acc_t>(pg.v[k]);
+        if (w != nullptr) wg *= static_cast<acc_t>(pw.v[k]);
+        const acc_t xhat = (static_cast<acc_t>(px.v[k]) - mu) * rs;
+        out.v[k] = static_cast<T>(rs * (wg - a - xhat * bsum));
+      }
+      dxr[v] = out;
+    }
+  }
+}
+
+// Stage 1 of dweight/dbias: block (kCols, kRowThreads) sums rows [chunk*rows_per_chunk, +rows_per_chunk)
+// of kCols columns into partial[chunk][0 or 1][col].
+constexpr int kCols = 32;
+constexpr int kRowThreads = 16;
+
+template <typename T>
+__global__ void layer_norm_bwd_params_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                                     const typename AccOf<T>::type* __restrict__ mean,
+                                                     const typename AccOf<T>::type* __restrict__ rstd,
+                                                     typename AccOf<T>::type* __restrict__ partial, int64_t M,
+                                                     int64_t N, int64_t rows_per_chunk) {
+  using acc_t = typename AccOf<T>::type;
+  __shared__ acc_t sw[kRowThreads][kCols + 1];
+  __shared__ acc_t sb[kRowThreads][kCols + 1];
+  const int64_t col = (int64_t)blockIdx.x * kCols + threadIdx.x;
+  const int64_t r0 = (int64_t)blockIdx.y * rows_per_chunk;
+  const int64_t r1 = std::min<int64_t>(M, r0 + rows_per_chunk);
+  acc_t aw = 0, ab = 0;
+  if (col < N) {
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kRowThreads) {
+      const acc_t g = static_cast<acc_t>(dy[r * N + col]);
+      aw += g * (static_cast<acc_t>(x[r * N + col]) - mean[r]) * rstd[r];
+      ab += g;
+    }
+  }
+  sw[threadIdx.y][threadIdx.x] = aw;
+  sb[threadIdx.y][threadIdx.x] = ab;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < N) {
+    for (int i = 1; i < kRowThreads; ++i) {
+      aw += sw[i][threadIdx.x];
+      ab += sb[i][threadIdx.x];
+    }
+    partial[((int64_t)blockIdx.y * 2) * N + col] = aw;
+    partial[((int64_t)blockIdx.y * 2 + 1) * N + col] = ab;
+  }
+}
+
+// Stage 2: sum the chunks' partials in order (deterministic) and round to the params' dtype.
+template <typename acc_t, typename P>
+__global__ void layer_norm_bwd_params_final_kernel(const acc_t* __restrict__ partial, P* __restrict__ dw,
+                                                   P* __restrict__ db, int64_t chunks, int64_t N) {
+  for (int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; c < N; c += (int64_t)gridDim.x * blockDim.x) {
+    acc_t aw = 0, ab = 0;
+    for (int64_t k = 0; k < chunks; ++k) {
+      aw += partial[(k * 2) * N + c];
+      ab += partial[(k * 2 + 1) * N + c];
+    }
+    if (dw != nullptr) dw[c] = static_cast<P>(aw);
+    if (db != nullptr) db[c] = static_cast<P>(ab);
+  }
+}
+
+struct Rows {
+  int64_t M;
+  int64_t N;
+};
+
+Rows rows_of(const at::Tensor& x, int64_t normalized_ndim) {
+  TORCH_CHECK(normalized_ndim >= 1 && normalized_ndim <= x.dim(),
+              "layer_norm: normalized_ndim must be in [1, x.dim()], got ", normalized_ndim);
+  int64_t M = 1, N = 1;
+  const int64_t lead = x.dim() - normalized_ndim;
+  for (int64_t d = 0; d < x.dim(); ++d) (d < lead ? M : N) *= x.size(d);
+  return {M, N};
+}
+
+void check_params(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                  const c10::optional<at::Tensor>& bias, int64_t N) {
+  const bool reduced = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+  c10::optional<at::ScalarType> param_type;
+  for (const auto* p : {&weight, &bias}) {
+    if (!p->has_value()) continue;
+    const at::Tensor& t = **p;
+    TORCH_CHECK(t.numel() == N, "layer_norm: weight/bias must have ", N, " elements, got ", t.numel());
+    TORCH_CHECK(t.device() == x.device(), "layer_norm: weight/bias must be on x's device");
+    TORCH_CHECK(t.scalar_type() == x.scalar_type() || (reduced && t.scalar_type() == at::kFloat),
+                "layer_norm: weight/bias must have x's dtype or (for half/bfloat16 x) float32");
+    TORCH_CHECK(!param_type || *param_type == t.scalar_type(), "layer_norm: weight and bias dtypes differ");
+    param_type = t.scalar_type();
+  }
+}
+
+at::ScalarType param_type_of(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                             const c10::optional<at::Tensor>& bias) {
+  if (weight.has_value()) return weight->scalar_type();
+  if (bias.has_value()) return bias->scalar_type();
+  return x.scalar_type();
+}
+
+at::ScalarType stat_type_of(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+template <typename F>
+void dispatch_types(at::ScalarType xt, at::ScalarType pt, F&& f) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xt, "layer_norm_cuda", [&] {
+    using T = scalar_t;
+    if (pt == xt) {
+      f(T(), T());
+      return;
+    }
+    // fp32 params beside fp16/bf16 x only (check_params refuses other mixes)
+    if constexpr (std::is_same_v<T, at::Half> || std::is_same_v<T, at::BFloat16>) {
+      if (pt == at::kFloat) {
+        f(T(), float());
+        return;
+      }
+    }
+    TORCH_CHECK(false, "layer_norm: unsupported weight/bias dtype ", pt, " for x of dtype ", xt);
+  });
+}
+
+template <typename P>
+const P* data_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->const_data_ptr<P>() : nullptr;
+}
+
+inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// Team width: the smallest power of two >= 32 with at most 8 vectors per thread, capped at a block.
+struct Launch {
+  int tpr;
+  int threads;
+  unsigned blocks;
+};
+
+Launch launch_for(int64_t M, int64_t N, int vec) {
+  int tpr = kWarp;
+  while (tpr < kMaxTeam && (int64_t)tpr * vec * 8 < N) tpr *= 2;
+  const int rpb = std::max(1, 128 / tpr);
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t want = (M + rpb - 1) / rpb;
+  // Enough blocks to fill every SM many times over; the grid-stride loop covers the rest.
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(want, sms * 64));
+  return {tpr, tpr * rpb, static_cast<unsigned>(blocks)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cuda(
+    const at::Tensor& x_, const c10::optional<at::Tensor>& weight_, const c10::optional<at::Tensor>& bias_,
+    int64_t normalized_ndim, double eps) {
+  c10::cuda::CUDAGuard guard(x_.device());
+  const Rows shape = rows_of(x_, normalized_ndim);
+  const int64_t M = shape.M, N = shape.N;
+  check_params(x_, weight_, bias_, N);
+  auto x = x_.contiguous();
+  c10::optional<at::Tensor> weight, bias;
+  if (weight_.has_value()) weight = weight_->contiguous();
+  if (bias_.has_value()) bias = bias_->contiguous();
+  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  auto mean = at::empty({M}, x.options().dtype(stat_type_of(x)));
+  auto rstd = at::empty({M}, x.options().dtype(stat_type_of(x)));
+  if (M == 0) return {y, mean, rstd};
+  if (N == 0) {  // nothing to normalize; the statistics of an empty row
+    mean.zero_();
+    rstd.fill_(1.0 / std::sqrt(eps));
+    return {y, mean, rstd};
+  }
+  dispatch_types(x.scalar_type(), param_type_of(x, weight, bias), [&](auto t, auto p) {
+    using T = decltype(t);
+    using P = decltype(p);
+    using acc_t = typename AccOf<T>::type;
+    constexpr int VEC = 16 / sizeof(T);
+    const T* xp = x.const_data_ptr<T>();
+    T* yp = y.mutable_data_ptr<T>();
+    const P* wp = data_or_null<P>(weight);
+    const P* bp = data_or_null<P>(bias);
+    const bool vec_ok = N % VEC == 0 && aligned(xp, 16) && aligned(yp, 16) &&
+                        (wp == nullptr || aligned(wp, sizeof(P) * VEC)) && (bp == nullptr || aligned(bp, sizeof(P) * VEC));
+    const Launch l = launch_for(M, N, vec_ok ? VEC : 1);
+    auto stream = at::cuda::getCurrentCUDAStream();
+    acc_t* mp = mean.mutable_data_ptr<acc_t>();
+    acc_t* rp = rstd.mutable_data_ptr<acc_t>();
+    if (vec_ok) {
+      layer_norm_fwd_kernel<T, P, VEC><<<l.blocks, l.threads, 0, stream>>>(
+          xp, wp, bp, yp, mp, rp, M, N, static_cast<acc_t>(eps), l.tpr);
+    } else {
+      layer_norm_fwd_kernel<T, P, 1><<<l.blocks, l.threads, 0, stream>>>(
+          xp, wp, bp, yp, mp, rp, M, N, static_cast<acc_t>(eps), l.tpr);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {y, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
+    const at::Tensor& dy_, const at::Tensor& x_, const at::Tensor& mean_, const at::Tensor& rstd_,
+    const c10::optional<at::Tensor>& weight_, const c10::optional<at::Tensor>& bias_, int64_t normalized_ndim,
+    bool need_dweight, bool need_dbias) {
+  c10::cuda::CUDAGuard guard(x_.device());
+  const Rows shape = rows_of(x_, normalized_ndim);
+  const int64_t M = shape.M, N = shape.N;
+  check_params(x_, weight_, bias_, N);
+  TORCH_CHECK(dy_.sizes() == x_.sizes(), "layer_norm_bwd: dy and x differ in shape");
+  TORCH_CHECK(mean_.numel() == M && rstd_.numel() == M, "layer_norm_bwd: mean/rstd must have ", M, " elements");
+  TORCH_CHECK(mean_.scalar_type() == stat_type_of(x_) && rstd_.scalar_type() == stat_type_of(x_),
+              "layer_norm_bwd: mean/rstd have the wrong dtype");
+  TORCH_CHECK(!need_dweight || weight_.has_value(), "layer_norm_bwd: need_dweight without weight");
+  TORCH_CHECK(!need_dbias || bias_.has_value(), "layer_norm_bwd: need_dbias without bias");
+  auto x = x_.contiguous();
+  auto dy = dy_.to(x.scalar_type()).contiguous();
+  auto mean = mean_.contiguous();
+  auto rstd = rstd_.contiguous();
+  c10::optional<at::Tensor> weight;
+  if (weight_.has_value()) weight = weight_->contiguous();
+  const at::ScalarType pt = param_type_of(x, weight_, bias_);
+  auto dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor dweight = need_dweight ? at::empty_like(*weight_, at::MemoryFormat::Contiguous)
+                                    : at::empty({0}, x.options().dtype(pt));
+  at::Tensor dbias = need_dbias ? at::empty_like(*bias_, at::MemoryFormat::Contiguous)
+                                : at::empty({0}, x.options().dtype(pt));
+  if (M == 0 || N == 0) {
+    if (need_dweight) dweight.zero_();
+    if (need_dbias) dbias.zero_();
+    return {dx, dweight, dbias};
+  }
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch_types(x.scalar_type(), pt, [&](auto t, auto p) {
+    using T = decltype(t);
+    using P = decltype(p);
+    using acc_t = typename AccOf<T>::type;
+    constexpr int VEC = 16 / sizeof(T);
+    const T* xp = x.const_data_ptr<T>();
+    const T* gp = dy.const_data_ptr<T>();
+    const acc_t* mp = mean.const_data_ptr<acc_t>();
+    const acc_t* rp = rstd.const_data_ptr<acc_t>();
+    const P* wp = data_or_null<P>(weight);
+    T* dxp = dx.mutable_data_ptr<T>();
+    const bool vec_ok = N % VEC == 0 && aligned(xp, 16) && aligned(gp, 16) && aligned(dxp, 16) &&
+                        (wp == nullptr || aligned(wp, sizeof(P) * VEC));
+    const Launch l = launch_for(M, N, vec_ok ? VEC : 1);
+    if (vec_ok) {
+      layer_norm_bwd_dx_kernel<T, P, VEC><<<l.blocks, l.threads, 0, stream>>>(gp, xp, mp, rp, wp, dxp, M, N, l.tpr);
+    } else {
+      layer_norm_bwd_dx_kernel<T, P, 1><<<l.blocks, l.threads, 0, stream>>>(gp, xp, mp, rp, wp, dxp, M, N, l.tpr);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (!need_dweight && !need_dbias) return;
+
+    // Row chunks: enough blocks to fill the GPU, each chunk at least 64 rows, gridDim.y <= 65535.
+    const int64_t col_tiles = (N + kCols - 1) / kCols;
+    const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    int64_t chunks = std::max<int64_t>(1, (sms * 8 + col_tiles - 1) / col_tiles);
+    chunks = std::min<int64_t>({chunks, (M + 63) / 64, 65535});
+    chunks = std::max<int64_t>(chunks, 1);
+    const int64_t rows_per_chunk = (M + chunks - 1) / chunks;
+    chunks = (M + rows_per_chunk - 1) / rows_per_chunk;
+    TORCH_CHECK(col_tiles <= 0x7fffffff, "layer_norm_bwd: normalized size too large");
+    auto partial = at::empty({chunks, 2, N}, x.options().dtype(stat_type_of(x)));
+    layer_norm_bwd_params_partial_kernel<T><<<dim3((unsigned)col_tiles, (unsigned)chunks), dim3(kCols, kRowThreads),
+                                              0, stream>>>(gp, xp, mp, rp, partial.mutable_data_ptr<acc_t>(), M, N,
+                                                           rows_per_chunk);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    P* dwp = need_dweight ? dweight.mutable_data_ptr<P>() : nullptr;
+    P* dbp = need_dbias ? dbias.mutable_data_ptr<P>() : nullptr;
+    const int threads = 256;
+    const int64_t blocks = std::min<int64_t>((N + threads - 1) / threads, sms * 32);
+    layer_norm_bwd_params_final_kernel<acc_t, P><<<(unsigned)std::max<int64_t>(blocks, 1), threads, 0, stream>>>(
+        partial.const_data_ptr<acc_t>(), dwp, dbp, chunks, N);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {dx, dweight, dbias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(accel, CUDA, m) {
+  m.impl("layer_norm_fwd", &layer_norm_fwd_cuda);
+  m.impl("layer_norm_bwd", &layer_norm_bwd_cuda);
+}
+
+}  // namespace accel

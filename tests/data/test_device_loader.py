@@ -1,0 +1,179 @@
+"""MpDeviceLoader: every batch once, in order, on the device; errors, early exit, epochs, XLA steps."""
+import collections
+import gc
+import threading
+import traceback
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import accel.data.device_loader as device_loader_module
+from accel.data import MpDeviceLoader
+from accel.utils.xla import xla_available
+
+Pair = collections.namedtuple("Pair", "x y")
+
+
+def _loader_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("accel-MpDeviceLoader")]
+
+
+def _wait_for_no_loader_threads():
+    for t in _loader_threads():
+        t.join(10)
+    return _loader_threads()
+
+
+class _Numbers(Dataset):
+    def __init__(self, n, fail_at=None, on_get=None):
+        self.n, self.fail_at, self.on_get = n, fail_at, on_get
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.on_get is not None:
+            self.on_get(i)
+        if i == self.fail_at:
+            raise KeyError(f"broken sample {i}")
+        return {"x": torch.tensor([float(i)]), "y": Pair(torch.tensor(i), [torch.tensor(-i)])}
+
+
+def test_every_batch_once_in_order_with_container_types():
+    loader = DataLoader(_Numbers(10), batch_size=3)
+    device_loader = MpDeviceLoader(loader, "cpu")
+    assert len(device_loader) == 4
+    got = list(device_loader)
+    expected = list(loader)
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert type(a) is dict and isinstance(a["y"], Pair) and isinstance(a["y"].y, list)
+        torch.testing.assert_close(a, b)
+    assert _wait_for_no_loader_threads() == []
+
+
+def test_dataset_and_loader_pass_through():
+    loader = DataLoader(_Numbers(7), batch_size=2)
+    device_loader = MpDeviceLoader(loader, torch.device("cpu"))
+    assert device_loader.loader is loader
+    assert len(device_loader.dataset) == 7
+    assert device_loader.batch_size == 2
+
+
+def test_batch_encoding_keeps_its_type():
+    transformers = pytest.importorskip("transformers")
+    batches = [transformers.BatchEncoding({"input_ids": torch.arange(4).view(1, 4)}) for _ in range(2)]
+    got = list(MpDeviceLoader(batches, "cpu"))
+    assert all(type(b) is transformers.BatchEncoding for b in got)
+    assert torch.equal(got[1]["input_ids"], torch.arange(4).view(1, 4))
+
+
+def test_reads_ahead_of_the_training_loop():
+    second_read = threading.Event()
+    dataset = _Numbers(4, on_get=lambda i: second_read.set() if i == 1 else None)
+    iterator = iter(MpDeviceLoader(DataLoader(dataset, batch_size=1), "cpu"))
+    next(iterator)
+    # The loop has not asked for batch 1 yet; the background thread reads it anyway.
+    assert second_read.wait(10)
+    iterator.close()
+
+
+def test_loader_exception_reraised_with_type_and_traceback():
+    device_loader = MpDeviceLoader(DataLoader(_Numbers(6, fail_at=4), batch_size=2), "cpu")
+    seen = []
+    with pytest.raises(KeyError, match="broken sample 4") as info:
+        for batch in device_loader:
+            seen.append(batch["x"])
+    assert len(seen) == 2  # the batches before the broken one were delivered
+    frames = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
+    assert "__getitem__" in frames  # the dataset's own frame, raised in the worker thread
+    assert _wait_for_no_loader_threads() == []
+
+
+def test_early_break_stops_threads_and_new_epoch_restarts():
+    device_loader = MpDeviceLoader(DataLoader(_Numbers(50), batch_size=1), "cpu",
+                                   loader_prefetch_size=2, device_prefetch_size=1)
+    for step, _ in enumerate(device_loader):
+        if step == 2:
+            break
+    gc.collect()
+    assert _wait_for_no_loader_threads() == []
+    # A new pass starts from the first batch again and sees everything.
+    assert [int(b["y"].x) for b in device_loader] == list(range(50))
+
+
+def test_explicit_close_and_reiterating_closes_previous_pass():
+    device_loader = MpDeviceLoader(DataLoader(_Numbers(20), batch_size=1), "cpu", device_prefetch_size=1)
+    first = iter(device_loader)
+    next(first)
+    second = iter(device_loader)  # like torch_xla: a new pass stops the old one
+    assert list(first) == []
+    assert len(list(second)) == 20
+    third = iter(device_loader)
+    device_loader.close()
+    assert list(third) == []
+    assert _wait_for_no_loader_threads() == []
+
+
+def test_early_break_with_worker_processes_does_not_hang():
+    loader = DataLoader(_Numbers(40), batch_size=2, num_workers=1)
+    for step, _ in enumerate(MpDeviceLoader(loader, "cpu")):
+        if step == 1:
+            break
+    gc.collect()
+    assert _wait_for_no_loader_threads() == []
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="unsupported option"):
+        MpDeviceLoader([], "cpu", batchdim=1)
+    with pytest.raises(ValueError, match="device_prefetch_size"):
+        MpDeviceLoader([], "cpu", device_prefetch_size=0)
+    with pytest.raises(ValueError, match="loader must be an iterable"):
+        MpDeviceLoader(3, "cpu")
+    with pytest.raises(ValueError, match="device"):
+        MpDeviceLoader([], "not-a-device")
+
+
+def test_marks_the_step_on_xla_devices_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(device_loader_module, "mark_step", lambda: calls.append(1))
+    list(MpDeviceLoader([torch.zeros(1)] * 3, "cpu"))
+    assert calls == []
+
+
+@pytest.mark.skipif(not xla_available(), reason="torch_xla is not installed")
+def test_xla_batches_on_device_and_step_marked_per_batch(monkeypatch):
+    import torch_xla
+
+    real_mark_step = device_loader_module.mark_step
+    calls = []
+
+    def counting_mark_step():
+        calls.append(1)
+        real_mark_step()
+
+    monkeypatch.setattr(device_loader_module, "mark_step", counting_mark_step)
+    device = torch_xla.device()
+    batches = [{"x": torch.full((2,), float(i)), "n": i} for i in range(3)]
+    device_loader = MpDeviceLoader(batches, device)
+    got = []
+    for batch in device_loader:
+        assert batch["x"].device.type == "xla"
+        got.append((batch["x"] * 2).cpu())
+    # Marked before each of the 3 batches and once more when the loop ends, as torch_xla's loader does.
+    assert len(calls) == 4
+    for i, x in enumerate(got):
+        assert torch.equal(x, torch.full((2,), 2.0 * i))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_batches_match_host_batches():
+    host = [torch.randn(256, 1024) for _ in range(8)]
+    device_loader = MpDeviceLoader(host, "cuda")
+    for h, d in zip(host, device_loader):
+        assert d.is_cuda
+        # Work queued on the current stream right away: correct only if it waits for the side-stream copy.
+        d.mul_(2).add_(1)
+        torch.testing.assert_close(d.cpu(), h * 2 + 1)

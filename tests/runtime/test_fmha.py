@@ -1,0 +1,264 @@
+import math
+import os
+
+import pytest
+import torch
+
+from accel.runtime.nn.fmha import FusedSwinFmha, fmha_backward_reference, fmha_reference
+from accel.utils.xla import xla_available
+
+from ._params import DEVICES, DTYPES, tol
+
+XLA_ON = bool(xla_available() and os.environ.get("PJRT_DEVICE"))
+if XLA_ON:
+    # torch's autograd engine sizes its per-device queues at its first backward; start the XLA
+    # runtime at collection time, before any CPU backward, or an XLA backward hits an internal assert.
+    import torch_xla
+
+    torch_xla.device()
+
+
+def _swin_reference(attn, bias, mask, B, nW):
+    """Swin's WindowAttention written plainly, in float64: view as [B, nW, nH, N, N], add, softmax."""
+    BnW, nH, N, _ = attn.shape
+    s = attn.double() + bias.double().unsqueeze(0)
+    if mask is not None:
+        s = (s.view(B, nW, nH, N, N) + mask.double().unsqueeze(1).unsqueeze(0)).view(BnW, nH, N, N)
+    return torch.softmax(s, dim=-1)
+
+
+def _swin_mask(nW, N, device):
+    """A shifted-window style mask: 0 inside a region, -100 across regions."""
+    region = torch.randint(0, 3, (nW, N), device=device)
+    return (region[:, :, None] != region[:, None, :]).float() * -100.0
+
+
+def test_reference_matches_hand_computed_values():
+    attn = torch.tensor([[[[0.0, 1.0], [2.0, -1.0]]]], dtype=torch.float64)  # B*nW=1, nH=1, N=2
+    bias = torch.tensor([[[1.0, 0.0], [0.0, 0.5]]], dtype=torch.float64)
+    mask = torch.tensor([[[0.0, -100.0], [0.0, 0.0]]], dtype=torch.float64)
+    # row 0: scores (1, 1 - 100) -> (1/(1+e^-100), e^-100/(1+e^-100)); row 1: (2, -0.5)
+    e = math.exp
+    expected = torch.tensor([[[[1 / (1 + e(-100)), e(-100) / (1 + e(-100))],
+                               [1 / (1 + e(-2.5)), e(-2.5) / (1 + e(-2.5))]]]], dtype=torch.float64)
+    torch.testing.assert_close(fmha_reference(attn, bias, mask, 1), expected)
+    torch.testing.assert_close(FusedSwinFmha.apply(attn, bias, mask, 1, 1, 1, 2), expected)
+
+
+# (B, nW, nH, N): Swin 7x7 (49) and 12x12 (144) windows, odd N, one lane per row (N=1), and N just
+# above a power-of-two register count (33, 65).
+SHAPES = [(2, 4, 3, 49), (1, 2, 2, 144), (3, 2, 1, 5), (2, 1, 2, 33), (1, 3, 2, 65), (2, 2, 1, 1)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "nomask"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_backward_match_reference(device, dtype, with_mask, shape):
+    B, nW, nH, N = shape
+    torch.manual_seed(0)
+    attn = (torch.randn(B * nW, nH, N, N, device=device) * 2).to(dtype).requires_grad_()
+    bias = torch.randn(nH, N, N, device=device).to(dtype).requires_grad_()
+    mask = _swin_mask(nW, N, device).to(dtype) if with_mask else None
+    attn_before = attn.detach().clone()
+    y = FusedSwinFmha.apply(attn, bias, mask, B, nW, nH, N)
+    ar = attn.detach().double().requires_grad_()
+    br = bias.detach().double().requires_grad_()
+    yr = _swin_reference(ar, br, mask, B, nW)
+    assert y.dtype == dtype and y.shape == attn.shape
+    assert torch.equal(attn.detach(), attn_before)  # out-of-place
+    torch.testing.assert_close(y, yr.to(dtype), **tol(dtype))
+    g = torch.randn(y.shape, device=device).to(dtype)
+    y.backward(g)
+    yr.backward(g.double())
+    rtol, atol = tol(dtype).values()
+    torch.testing.assert_close(attn.grad, ar.grad.to(dtype), rtol=rtol, atol=atol)
+    # the bias grad sums B*nW rounded-size terms: allow the error of one term per window
+    torch.testing.assert_close(bias.grad, br.grad.to(dtype), rtol=rtol, atol=atol * B * nW)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16_attn_with_fp32_bias_and_mask(device):
+    # Under autocast attn comes out of q @ k^T in fp16 while the bias table stays fp32.
+    B, nW, nH, N = 2, 2, 3, 49
+    attn = torch.randn(B * nW, nH, N, N, device=device).half().requires_grad_()
+    bias = torch.randn(nH, N, N, device=device, requires_grad=True)
+    mask = _swin_mask(nW, N, device)
+    y = FusedSwinFmha.apply(attn, bias, mask, B, nW, nH, N)
+    ar = attn.detach().double().requires_grad_()
+    br = bias.detach().double().requires_grad_()
+    yr = _swin_reference(ar, br, mask, B, nW)
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y, yr.half(), **tol(torch.float16))
+    g = torch.randn_like(yr)
+    y.backward(g.half())
+    yr.backward(g.half().double())
+    assert bias.grad.dtype == torch.float32
+    torch.testing.assert_close(attn.grad, ar.grad.half(), **tol(torch.float16))
+    torch.testing.assert_close(bias.grad, br.grad.float(), rtol=2e-3, atol=1e-3 * B * nW)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_attn_and_mask_gets_no_grad(device):
+    B, nW, nH, N = 2, 2, 2, 7
+    attn = torch.randn(B * nW, N, nH, N, device=device).transpose(1, 2)  # [B*nW, nH, N, N], strided
+    assert not attn.is_contiguous()
+    bias = torch.randn(nH, N, N, device=device)
+    mask = _swin_mask(nW, N, device).requires_grad_()
+    y = FusedSwinFmha.apply(attn, bias, mask, B, nW, nH, N)
+    torch.testing.assert_close(y, _swin_reference(attn, bias, mask.detach(), B, nW).float())
+    (y * torch.randn_like(y)).sum().backward()
+    assert mask.grad is None  # the mask is a constant of the model: it gets no gradient
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch(device):
+    attn = torch.randn(0, 3, 49, 49, device=device, requires_grad=True)
+    bias = torch.randn(3, 49, 49, device=device, requires_grad=True)
+    y = FusedSwinFmha.apply(attn, bias, None, 0, 4, 3, 49)
+    assert y.shape == attn.shape
+    y.sum().backward()
+    assert torch.equal(bias.grad, torch.zeros_like(bias))
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=DEVICES[1].marks)])
+def test_cuda_long_rows_take_the_reference(device):
+    # N > 1024 exceeds the one-warp-per-row kernel; it must still be right.
+    attn = torch.randn(1, 1, 1030, 1030, device=device, requires_grad=True)
+    bias = torch.randn(1, 1030, 1030, device=device, requires_grad=True)
+    y = FusedSwinFmha.apply(attn, bias, None, 1, 1, 1, 1030)
+    torch.testing.assert_close(y, _swin_reference(attn, bias, None, 1, 1).float())
+
+
+def test_backward_reference_matches_autograd():
+    torch.manual_seed(0)
+    attn = torch.randn(6, 2, 5, 5, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(2, 5, 5, dtype=torch.float64, requires_grad=True)
+    y = torch.softmax(attn + bias, -1)
+    g = torch.randn_like(y)
+    y.backward(g)
+    dx, dbias = fmha_backward_reference(g, y.detach())
+    torch.testing.assert_close(dx, attn.grad)
+    torch.testing.assert_close(dbias, bias.grad)
+
+
+def test_bias_grad_is_reproducible_across_thread_counts():
+    torch.manual_seed(0)
+    attn = torch.randn(96, 3, 49, 49, requires_grad=True)  # 3 chunks of windows
+    bias = torch.randn(3, 49, 49, requires_grad=True)
+    g = torch.randn(96, 3, 49, 49)
+    grads = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, max(2, threads)):
+            torch.set_num_threads(n)
+            bias.grad = None
+            FusedSwinFmha.apply(attn, bias, None, 96, 1, 3, 49).backward(g)
+            grads.append(bias.grad.clone())
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_gradcheck_float64_cpu():
+    B, nW, nH, N = 2, 2, 2, 5
+    attn = torch.randn(B * nW, nH, N, N, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(nH, N, N, dtype=torch.float64, requires_grad=True)
+    mask = _swin_mask(nW, N, "cpu").double() / 50  # moderate values keep the gradients informative
+    assert torch.autograd.gradcheck(lambda a, b: FusedSwinFmha.apply(a, b, mask, B, nW, nH, N), (attn, bias))
+    assert torch.autograd.gradcheck(lambda a, b: FusedSwinFmha.apply(a, b, None, B, nW, nH, N), (attn, bias))
+
+
+def test_raw_op_has_gradient():
+    from accel.runtime.nn.fmha import _ops
+    attn = torch.randn(2, 1, 4, 4, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(1, 4, 4, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(2, 4, 4, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda a, b: _ops().fmha_swin_fwd(a, b, mask, 2), (attn, bias))
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    B, nW, nH, N = 2, 2, 3, 49
+    mask = _swin_mask(nW, N, "cpu")
+
+    def scores(attn, bias):
+        return FusedSwinFmha.apply(attn, bias, mask, B, nW, nH, N) * 3.0
+
+    attn = torch.randn(B * nW, nH, N, N)
+    bias = torch.randn(nH, N, N)
+    scores(attn, bias)  # loads the kernels before compiling
+    compiled = torch.compile(scores, fullgraph=True)
+    a, b = attn.clone().requires_grad_(), bias.clone().requires_grad_()
+    ar, br = attn.double().requires_grad_(), bias.double().requires_grad_()
+    y = compiled(a, b)
+    yr = _swin_reference(ar, br, mask, B, nW) * 3.0
+    torch.testing.assert_close(y, yr.float())
+    g = torch.randn_like(y)
+    y.backward(g)
+    yr.backward(g.double())
+    torch.testing.assert_close(a.grad, ar.grad.float())
+    torch.testing.assert_close(b.grad, br.grad.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not XLA_ON, reason="needs torch_xla with PJRT_DEVICE set (PJRT_DEVICE=CPU works)")
+def test_xla_tensors_take_the_reference():
+    import torch_xla
+
+    dev = torch_xla.device()
+    B, nW, nH, N = 2, 2, 1, 4
+    attn, bias = torch.randn(B * nW, nH, N, N), torch.randn(nH, N, N)
+    mask = _swin_mask(nW, N, "cpu")
+    g = torch.randn(B * nW, nH, N, N)
+    a, b = attn.to(dev).requires_grad_(), bias.to(dev).requires_grad_()
+    y = FusedSwinFmha.apply(a, b, mask.to(dev), B, nW, nH, N)
+    y.backward(g.to(dev))
+    ar, br = attn.double().requires_grad_(), bias.double().requires_grad_()
+    yr = _swin_reference(ar, br, mask, B, nW)
+    yr.backward(g.double())
+    torch.testing.assert_close(y.cpu(), yr.float())
+    torch.testing.assert_close(a.grad.cpu(), ar.grad.float())
+    torch.testing.assert_close(b.grad.cpu(), br.grad.float())
+
+
+def test_bad_input_names_argument():
+    B, nW, nH, N = 2, 2, 3, 9
+    attn = torch.randn(B * nW, nH, N, N)
+    bias = torch.randn(nH, N, N)
+    mask = torch.zeros(nW, N, N)
+    with pytest.raises(ValueError, match="attn"):
+        FusedSwinFmha.apply(attn[0], bias, mask, B, nW, nH, N)
+    with pytest.raises(ValueError, match="attn"):
+        FusedSwinFmha.apply(attn[..., :-1], bias, mask, B, nW, nH, N)
+    with pytest.raises(ValueError, match="attn"):
+        FusedSwinFmha.apply(attn.long(), bias, mask, B, nW, nH, N)
+    with pytest.raises(ValueError, match="relative_pos_bias"):
+        FusedSwinFmha.apply(attn, bias[:2], mask, B, nW, nH, N)
+    with pytest.raises(ValueError, match="relative_pos_bias"):
+        FusedSwinFmha.apply(attn, bias.unsqueeze(0), mask, B, nW, nH, N)
+    with pytest.raises(ValueError, match="attn_mask"):
+        FusedSwinFmha.apply(attn, bias, torch.zeros(nW + 1, N, N), B, nW, nH, N)
+    with pytest.raises(ValueError, match="batch_size"):
+        FusedSwinFmha.apply(attn, bias, mask, B + 1, nW, nH, N)
+    with pytest.raises(ValueError, match="window_num"):
+        FusedSwinFmha.apply(attn, bias, None, B, nW + 1, nH, N)
+    with pytest.raises(ValueError, match="num_head"):
+        FusedSwinFmha.apply(attn, bias, mask, B, nW, nH + 1, N)
+    with pytest.raises(ValueError, match="window_len"):
+        FusedSwinFmha.apply(attn, bias, mask, B, nW, nH, N + 1)
+    with pytest.raises(ValueError, match="window_len"):
+        FusedSwinFmha.apply(attn, bias, mask, B, nW, nH, 2.5)
+    # the window side is accepted for window_len (N = 3 * 3)
+    torch.testing.assert_close(FusedSwinFmha.apply(attn, bias, mask, B, nW, nH, 3),
+                               _swin_reference(attn, bias, mask, B, nW).float())
+
+
+def test_fp32_cpu_accuracy_over_the_whole_score_range():
+    # Each row is [x, 0]: its softmax is e^x / (1 + e^x), exercising the kernel's exponential from
+    # 0 down to float underflow; compare with float64 on the same (float-rounded) scores.
+    x = torch.linspace(-110, 0, 20001).float()
+    attn = torch.stack([x, torch.zeros_like(x)], -1).view(-1, 1, 1, 2).expand(-1, 1, 2, 2).contiguous()
+    y = FusedSwinFmha.apply(attn, torch.zeros(1, 2, 2), None, attn.shape[0], 1, 1, 2)
+    ref = torch.softmax(attn.double(), -1)
+    normal = ref > 1e-37
+    torch.testing.assert_close(y.double()[normal], ref[normal], rtol=2e-6, atol=0)
+    assert torch.all(y.double()[~normal] <= 1e-37)

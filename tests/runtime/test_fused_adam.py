@@ -1,0 +1,444 @@
+"""FusedAdam / FusedAdamW against torch.optim.Adam / AdamW (foreach=False) as the reference."""
+import copy
+import os
+
+import pytest
+import torch
+
+from accel.runtime.optim import FusedAdam, FusedAdamW
+from accel.utils.xla import mark_step, require_xla, xla_available
+from accel.runtime.optim.fused_adam import adam_reference, fused_adam_step
+
+from ._params import DEVICES, DTYPES, NO_CUDA, tol
+
+PAIRS = [pytest.param(FusedAdam, torch.optim.Adam, id="adam"),
+         pytest.param(FusedAdamW, torch.optim.AdamW, id="adamw")]
+SHAPES = [(1,), (7,), (1001,), (3, 5, 7)]
+FP32 = {"rtol": 1e-6, "atol": 1e-6}  # a few fp32 ulps after 20 steps: FMA contraction differs by compiler
+
+
+def _params(device, dtype=torch.float32, shapes=SHAPES, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(device=device, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def _clone(params, dtype=None):
+    return [p.detach().clone().to(dtype or p.dtype).requires_grad_() for p in params]
+
+
+def _grads(params, step, scale=1.0):
+    g = torch.Generator().manual_seed(1000 + step)
+    return [(torch.randn(p.shape, generator=g) * scale).to(device=p.device, dtype=p.dtype) for p in params]
+
+
+def _set_grads(params, grads):
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+
+
+def _assert_state_close(ours, ref, params_ours, params_ref, **kw):
+    for p, q in zip(params_ours, params_ref):
+        so, sr = ours.state[p], ref.state[q]
+        assert set(so) == set(sr)
+        for key in sr:
+            torch.testing.assert_close(so[key].cpu().to(sr[key].dtype), sr[key].cpu(), **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ours_cls,ref_cls", PAIRS)
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("maximize", [False, True])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_matches_torch_over_20_steps(device, ours_cls, ref_cls, amsgrad, maximize, weight_decay):
+    # Two groups with their own lr and betas, several tensors each, odd sizes.
+    a, b = _params(device), _params(device, shapes=[(5, 3), (2,)], seed=1)
+    ra, rb = _clone(a), _clone(b)
+    kw = dict(weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+    ours = ours_cls([{"params": a}, {"params": b, "lr": 3e-3, "betas": (0.8, 0.99)}], lr=1e-2, **kw)
+    ref = ref_cls([{"params": ra}, {"params": rb, "lr": 3e-3, "betas": (0.8, 0.99)}], lr=1e-2, foreach=False, **kw)
+    for step in range(20):
+        grads = _grads(a + b, step)
+        _set_grads(a + b, grads)
+        _set_grads(ra + rb, grads)
+        ours.step()
+        ref.step()
+    for p, q in zip(a + b, ra + rb):
+        torch.testing.assert_close(p, q, **FP32)
+    _assert_state_close(ours, ref, a + b, ra + rb, **FP32)
+    for p in a + b:
+        st = ours.state[p]["step"]
+        assert st.dtype == torch.float32 and st.device == p.device and st.item() == 20
+
+
+@pytest.mark.parametrize("ours_cls,ref_cls", PAIRS)
+def test_float64_matches_torch_to_rounding(ours_cls, ref_cls):
+    a = _params("cpu", torch.float64)
+    ra = _clone(a)
+    ours, ref = ours_cls(a, lr=1e-2, amsgrad=True), ref_cls(ra, lr=1e-2, amsgrad=True, foreach=False)
+    for step in range(20):
+        grads = _grads(a, step)
+        _set_grads(a, grads)
+        _set_grads(ra, grads)
+        ours.step()
+        ref.step()
+    for p, q in zip(a, ra):
+        torch.testing.assert_close(p, q, rtol=1e-13, atol=1e-13)
+    assert ours.state[a[0]]["exp_avg"].dtype == torch.float64
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("ours_cls,ref_cls", PAIRS)
+def test_reduced_precision_params_round_once_from_fp32(device, dtype, ours_cls, ref_cls):
+    # Semantics: widen the param, update in fp32 with fp32 state, round once. Reference: torch.optim on
+    # an fp32 master copy that is rounded to the dtype after every step.
+    a = _params(device, dtype)
+    master = _clone(a, torch.float32)
+    ours = ours_cls(a, lr=1e-2, weight_decay=0.01, amsgrad=True)
+    ref = ref_cls(master, lr=1e-2, weight_decay=0.01, amsgrad=True, foreach=False)
+    for step in range(20):
+        grads = _grads(a, step)
+        _set_grads(a, grads)
+        _set_grads(master, [g.float() for g in grads])
+        ours.step()
+        ref.step()
+        with torch.no_grad():
+            for m in master:
+                m.copy_(m.to(dtype).float())
+    for p, q in zip(a, master):
+        assert p.dtype == dtype
+        torch.testing.assert_close(p, q.to(dtype), **tol(dtype))
+    for p in a:
+        assert all(ours.state[p][k].dtype == torch.float32 for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+    _assert_state_close(ours, ref, a, master, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_dtypes_and_many_tensors_in_one_group(device):
+    # More tensors than one CUDA launch carries (32), and several dtypes in one group.
+    shapes = [(n % 9 + 1, 3) for n in range(70)]
+    a = _params(device, shapes=shapes)
+    for k in range(0, 70, 3):
+        a[k] = a[k].detach().double().requires_grad_()
+    ra = _clone(a)
+    ours, ref = FusedAdamW(a, lr=1e-2), torch.optim.AdamW(ra, lr=1e-2, foreach=False)
+    for step in range(5):
+        grads = _grads(a, step)
+        _set_grads(a, grads)
+        _set_grads(ra, grads)
+        ours.step()
+        ref.step()
+    for p, q in zip(a, ra):
+        torch.testing.assert_close(p, q, **FP32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk_size", [1, 3, 64])
+def test_small_chunks_exercise_offsets(device, dtype, chunk_size):
+    # Many chunks per tensor: the chunk -> (tensor, offset) arithmetic at small scale. Elements are
+    # independent, so the result must not depend on the chunking at all (chunks under 16 elements
+    # also take the CPU kernel's scalar loop, the default chunk its vector loop: they must agree).
+    a = _params(device, dtype, shapes=[(1001,), (7,), (130,), (0,), (1,)])
+    b, ra = _clone(a), _clone(a)
+    small = FusedAdam(a, lr=1e-2, amsgrad=True, weight_decay=0.1, chunk_size=chunk_size)
+    big = FusedAdam(b, lr=1e-2, amsgrad=True, weight_decay=0.1)
+    ref = torch.optim.Adam(ra, lr=1e-2, amsgrad=True, weight_decay=0.1, foreach=False)
+    for step in range(4):
+        grads = _grads(a, step)
+        for opt, ps in ((small, a), (big, b), (ref, ra)):
+            _set_grads(ps, grads)
+            opt.step()
+    for p, q, r in zip(a, b, ra):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+        if dtype == torch.float32:
+            torch.testing.assert_close(p, r, **FP32)
+    for p, q in zip(a, b):
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            assert torch.equal(small.state[p][key], big.state[q][key])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ours_cls,ref_cls", PAIRS)
+def test_found_inf_skips_the_step_on_device(device, ours_cls, ref_cls):
+    a = _params(device)
+    ra = _clone(a)
+    ours = ours_cls(a, lr=1e-2, amsgrad=True, weight_decay=0.1)
+    ref = ref_cls(ra, lr=1e-2, amsgrad=True, weight_decay=0.1, foreach=False)
+    zero = torch.zeros((), device=device)
+    for step in range(6):
+        grads = _grads(a, step)
+        _set_grads(a, grads)
+        if step == 3:
+            # An overflowed step: grads carry inf; the reference simply does not step.
+            a[0].grad[0] = float("inf")
+            before = [p.detach().clone() for p in a]
+            state_before = copy.deepcopy({i: ours.state[p] for i, p in enumerate(a)})
+            ours.step(found_inf=torch.ones((), device=device))
+            for i, p in enumerate(a):
+                assert torch.equal(p, before[i])
+                for key, value in state_before[i].items():
+                    assert torch.equal(ours.state[p][key], value), key
+            continue
+        _set_grads(ra, grads)
+        ours.step(found_inf=zero)
+        ref.step()
+    for p, q in zip(a, ra):
+        torch.testing.assert_close(p, q, **FP32)
+    assert ours.state[a[0]]["step"].item() == 5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale,exact", [(1024.0, True), (3.0, False)])
+def test_grad_scale_unscales_inside_the_kernel(device, scale, exact):
+    a = _params(device)
+    b = _clone(a)
+    scaled, plain = FusedAdam(a, lr=1e-2, weight_decay=0.1), FusedAdam(b, lr=1e-2, weight_decay=0.1)
+    for step in range(5):
+        grads = _grads(a, step)
+        _set_grads(a, [g * scale for g in grads])
+        _set_grads(b, grads)
+        scaled.step(grad_scale=torch.tensor(scale, device=device))
+        plain.step()
+    for p, q in zip(a, b):
+        # A power-of-two scale divides exactly; another one is within rounding of the grad.
+        torch.testing.assert_close(p, q, **({"rtol": 0, "atol": 0} if exact else FP32))
+
+
+def test_torch_amp_grad_scaler_drives_found_inf_and_scale():
+    # torch.amp.GradScaler hands fused optimizers grad_scale/found_inf as attributes; an inf skips.
+    model = torch.nn.Linear(5, 3)
+    ref_model = copy.deepcopy(model)
+    ours, ref = FusedAdam(model.parameters(), lr=1e-2), torch.optim.Adam(ref_model.parameters(), lr=1e-2,
+                                                                          foreach=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
+    for step in range(4):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(step))
+        if step == 2:
+            x[0, 0] = float("inf")
+        for m, opt, sc in ((model, ours, scaler), (ref_model, ref, ref_scaler)):
+            opt.zero_grad()
+            sc.scale(m(x).pow(2).mean()).backward()
+            sc.step(opt)
+            sc.update()
+    assert scaler.get_scale() == ref_scaler.get_scale() == 2.0 ** 7  # one overflow halved it
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, **FP32)
+    assert ours.state[model.weight]["step"].item() == 3
+
+
+def test_lr_as_tensor_matches_float():
+    a = _params("cpu")
+    b = _clone(a)
+    lr = torch.tensor(1e-2)  # float32: the float twin must use the same (rounded) value
+    ot, of = FusedAdamW(a, lr=lr), FusedAdamW(b, lr=lr.item())
+    for step in range(5):
+        grads = _grads(a, step)
+        _set_grads(a, grads)
+        _set_grads(b, grads)
+        ot.step()
+        of.step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_params_without_grads_are_skipped():
+    a = _params("cpu")
+    before = a[1].detach().clone()
+    opt = FusedAdam(a, lr=1e-2)
+    grads = _grads(a, 0)
+    for k in (0, 2, 3):
+        a[k].grad = grads[k]
+    opt.step()
+    assert torch.equal(a[1], before) and a[1] not in opt.state
+    assert not torch.equal(a[0], _params("cpu")[0])
+
+
+def test_reference_path_matches_kernel():
+    # adam_reference serves devices without kernels (XLA); check it on CPU against the kernel,
+    # including the device-side found_inf skip.
+    def lists(seed):
+        gen = torch.Generator().manual_seed(seed)
+        ps = [t.detach() for t in _params("cpu", seed=seed)]
+        gs = _grads(ps, seed)
+        m, v, vmax = ([torch.rand(p.shape, generator=gen) + shift for p in ps] for shift in (0.0, 0.0, 0.5))
+        return ps, gs, m, v, vmax, [torch.tensor(3.0) for _ in ps]
+
+    for found in (0.0, 1.0):
+        for decoupled in (False, True):
+            k, r = lists(0), lists(0)
+            kw = dict(lr=torch.tensor(1e-2), beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=True,
+                      maximize=True, decoupled_weight_decay=decoupled, grad_scale=torch.tensor(4.0),
+                      found_inf=torch.tensor(found))
+            fused_adam_step(*k, **kw)
+            adam_reference(*r, **kw)
+            for tk, tr in zip(sum(k, []), sum(r, [])):
+                torch.testing.assert_close(tk, tr, **FP32)
+            if found:
+                assert torch.equal(k[0][0], lists(0)[0][0]) and k[5][0].item() == 3.0
+
+
+@pytest.mark.skipif(not xla_available(), reason="torch_xla is not installed")
+def test_xla_params_take_the_reference_path():
+    # No kernels on XLA: the plain-op path runs there, found_inf included, without a host sync.
+    dev = require_xla("FusedAdam on XLA").device()
+    a = _params("cpu", shapes=[(7,), (3, 5)])
+    xs = [p.detach().to(dev).requires_grad_() for p in a]
+    ours = FusedAdamW(xs, lr=1e-2, amsgrad=True)
+    ref = torch.optim.AdamW(a, lr=1e-2, amsgrad=True, foreach=False)
+    for step in range(3):
+        grads = _grads(a, step)
+        _set_grads(a, grads)
+        _set_grads(xs, [g.to(dev) for g in grads])
+        ours.step(found_inf=torch.tensor(float(step == 1), device=dev))
+        if step != 1:
+            ref.step()
+        mark_step()
+    for x, p in zip(xs, a):
+        torch.testing.assert_close(x.detach().cpu(), p.detach(), **FP32)
+    assert ours.state[xs[0]]["step"].cpu().item() == 2
+
+
+def test_state_dict_round_trip_through_torch_adam():
+    a = _params("cpu")
+    ours = FusedAdam(a, lr=1e-2, amsgrad=True)
+    for step in range(5):
+        _set_grads(a, _grads(a, step))
+        ours.step()
+    sd = copy.deepcopy(ours.state_dict())
+    assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+    # Into torch.optim.Adam: both continue identically.
+    t = _clone(a)
+    torch_opt = torch.optim.Adam(t, lr=1e-2, amsgrad=True, foreach=False)
+    torch_opt.load_state_dict(sd)
+    for step in range(5, 8):
+        grads = _grads(a, step)
+        _set_grads(a, grads)
+        _set_grads(t, grads)
+        ours.step()
+        torch_opt.step()
+    for p, q in zip(a, t):
+        torch.testing.assert_close(p, q, **FP32)
+    # And back: a fresh FusedAdam loaded from torch's state dict continues like torch.
+    back_params = _clone(t)
+    back = FusedAdam(back_params, lr=1.0)
+    back.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    assert back.param_groups[0]["lr"] == 1e-2 and back.param_groups[0]["amsgrad"]
+    step_t = back.state[back_params[0]]["step"]
+    assert step_t.dtype == torch.float32 and step_t.item() == 8
+    for step in range(8, 10):
+        grads = _grads(t, step)
+        _set_grads(back_params, grads)
+        _set_grads(t, grads)
+        back.step()
+        torch_opt.step()
+    for p, q in zip(back_params, t):
+        torch.testing.assert_close(p, q, **FP32)
+
+
+def test_state_dict_keeps_fp32_state_of_bf16_params():
+    a = _params("cpu", torch.bfloat16)
+    ours = FusedAdam(a, lr=1e-2)
+    _set_grads(a, _grads(a, 0))
+    ours.step()
+    sd = copy.deepcopy(ours.state_dict())
+    b = _clone(a)
+    other = FusedAdam(b, lr=1e-2)
+    other.load_state_dict(sd)
+    for p, q in zip(a, b):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert other.state[q][key].dtype == torch.float32
+            assert torch.equal(other.state[q][key], ours.state[p][key])
+
+
+def test_torch_kwargs_are_accepted():
+    a = _params("cpu")
+    b = _clone(a)
+    opt = FusedAdam(a, lr=1e-2, foreach=True, fused=True, capturable=True)
+    plain = FusedAdam(b, lr=1e-2)
+    for opt_, ps in ((opt, a), (plain, b)):
+        _set_grads(ps, _grads(ps, 0))
+        opt_.step()
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+    assert FusedAdam._step_supports_found_inf and FusedAdamW._step_supports_found_inf
+    assert FusedAdamW(_params("cpu")).param_groups[0]["weight_decay"] == 1e-2
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"lr": -1.0}, "lr"), ({"lr": torch.ones(2)}, "lr"), ({"betas": (1.0, 0.9)}, "betas"),
+    ({"betas": (0.9,)}, "betas"), ({"eps": -1e-8}, "eps"), ({"weight_decay": -0.1}, "weight_decay"),
+    ({"amsgrad": "yes"}, "amsgrad"), ({"maximize": 1}, "maximize"), ({"differentiable": True}, "differentiable"),
+    ({"foreach": "no"}, "foreach"), ({"chunk_size": 0}, "chunk_size"),
+])
+def test_bad_arguments_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        FusedAdam(_params("cpu"), **kwargs)
+
+
+def test_bad_params_are_rejected():
+    with pytest.raises(ValueError, match="params"):
+        FusedAdam([torch.zeros(3, dtype=torch.int64)])
+    with pytest.raises(ValueError, match="device"):
+        FusedAdam([torch.zeros(3, requires_grad=True), torch.zeros(3, device="meta", requires_grad=True)])
+
+
+def test_sparse_grad_is_rejected_and_nothing_changes():
+    a, b = _params("cpu"), _params("cpu", seed=1)
+    opt = FusedAdam([{"params": a}, {"params": b}], lr=1e-2)
+    _set_grads(a + b, _grads(a + b, 0))
+    before = [p.detach().clone() for p in a + b]
+    b[0].grad = b[0].grad.to_sparse()
+    with pytest.raises(ValueError, match="sparse"):
+        opt.step()
+    for p, q in zip(a + b, before):
+        assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="found_inf"):
+        opt.step(found_inf=1.0)
+
+
+def _free_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _huge_tensor_check(device):
+    # 2^31 + 5 bf16 elements: offsets past int32. Adam is elementwise, so the head and the tail are
+    # checked against torch.optim on fp32 copies of those slices.
+    n = 2 ** 31 + 5
+    p = torch.zeros(n, dtype=torch.bfloat16, device=device)
+    p[:1000] = torch.randn(1000, device=device).bfloat16()
+    p[-1000:] = torch.randn(1000, device=device).bfloat16()
+    p.requires_grad_()
+    p.grad = torch.ones(n, dtype=torch.bfloat16, device=device)
+    p.grad[-1000:] = torch.randn(1000, device=device).bfloat16()
+    slices = [slice(0, 1000), slice(n - 1000, n)]
+    masters = [p.detach()[s].float().clone().requires_grad_() for s in slices]
+    for m, s in zip(masters, slices):
+        m.grad = p.grad[s].float()
+    FusedAdamW([p], lr=1e-2).step()
+    torch.optim.AdamW(masters, lr=1e-2, foreach=False).step()
+    for m, s in zip(masters, slices):
+        torch.testing.assert_close(p.detach()[s], m.detach().bfloat16(), **tol(torch.bfloat16))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_free_bytes() < 26 * 2 ** 30,
+                    reason="a CPU tensor of 2^31+5 elements with its grad and fp32 state needs ~26 GB free")
+def test_cpu_tensor_beyond_int32_elements():
+    _huge_tensor_check("cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_tensor_beyond_int32_elements():
+    if torch.cuda.get_device_properties(0).total_memory < 40 * 2 ** 30:
+        pytest.skip("a CUDA tensor of 2^31+5 bf16 elements with grad and fp32 state needs a GPU of >= 40 GB")
+    _huge_tensor_check("cuda")

@@ -1,0 +1,243 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from accel.runtime.nn.layer_norm import FusedLayerNorm, fused_layer_norm, layer_norm_reference
+from accel.utils.xla import xla_available
+
+from ._params import DEVICES, DTYPES, tol
+
+# (input shape, normalized_shape): odd sizes, one-element rows, multi-dim normalized shapes, empty.
+# On CUDA, 768 takes one warp per row, 2000 two warps per row with a half-empty last block of
+# rows (3 rows, 2 per block), 5000 a block-wide team.
+SHAPES = [((7,), (7,)), ((3, 1023), (1023,)), ((2, 5, 129), (5, 129)), ((4, 1), (1,)),
+          ((6, 768), (768,)), ((3, 2000), (2000,)), ((5, 5000), (5000,)), ((0, 16), (16,))]
+
+
+def _grads_tol(dtype):
+    # dweight/dbias are sums over rows: allow a little more than one output ulp in fp32.
+    return {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else tol(dtype)
+
+
+def _run(fn, x, w, b, g):
+    """Output and (dx, dweight, dbias) of fn for upstream gradient g."""
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+    y = fn(*leaves)
+    y.backward(g)
+    return y, [t.grad if t is not None else None for t in leaves]
+
+
+def test_reference_matches_hand_computed_values():
+    x = torch.tensor([[1.0, 2.0, 3.0, 6.0]], dtype=torch.float64)  # mean 3, var (4+1+0+9)/4 = 3.5
+    w = torch.tensor([1.0, 2.0, -1.0, 0.5], dtype=torch.float64)
+    b = torch.tensor([0.0, 1.0, 0.0, -1.0], dtype=torch.float64)
+    s = (3.5 + 1e-5) ** -0.5
+    expected = torch.tensor([[-2 * s, -2 * s + 1, 0.0, 1.5 * s - 1]], dtype=torch.float64)
+    torch.testing.assert_close(layer_norm_reference(x, 4, w, b), expected)
+    torch.testing.assert_close(fused_layer_norm(x, 4, w, b), expected)
+
+
+# (x dtype, weight/bias dtype): params of x's dtype, and fp32 master params beside fp16/bf16 x.
+DTYPE_PAIRS = [(d, d) for d in DTYPES] + [(torch.float16, torch.float32), (torch.bfloat16, torch.float32)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,pdtype", DTYPE_PAIRS, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("shape,normalized", SHAPES, ids=[str(s[0]) for s in SHAPES])
+def test_forward_backward_match_torch(device, dtype, pdtype, shape, normalized):
+    torch.manual_seed(0)
+    x = (torch.randn(shape, device=device) * 2 + 0.5).to(dtype)
+    w = (torch.randn(normalized, device=device) + 1).to(pdtype)
+    b = torch.randn(normalized, device=device).to(pdtype)
+    g = torch.randn(shape, device=device).to(dtype)
+    y, (dx, dw, db) = _run(lambda x, w, b: fused_layer_norm(x, normalized, w, b), x, w, b, g)
+    # independent reference: torch's own layer norm in float64 on the same (rounded) values
+    yr, (dxr, dwr, dbr) = _run(lambda x, w, b: F.layer_norm(x, normalized, w, b),
+                               x.double(), w.double(), b.double(), g.double())
+    assert y.dtype == dtype and y.shape == x.shape
+    assert dx.dtype == dtype and dw.dtype == pdtype and db.dtype == pdtype
+    torch.testing.assert_close(y, yr.to(dtype), **tol(dtype))
+    torch.testing.assert_close(dx, dxr.to(dtype), **_grads_tol(dtype))
+    torch.testing.assert_close(dw, dwr.to(pdtype), **_grads_tol(pdtype if pdtype == dtype else dtype))
+    torch.testing.assert_close(db, dbr.to(pdtype), **_grads_tol(pdtype if pdtype == dtype else dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("affine", ["none", "weight only", "bias only"])
+def test_without_weight_or_bias(device, affine):
+    torch.manual_seed(1)
+    x = torch.randn(5, 33, device=device)
+    w = torch.randn(33, device=device) if affine == "weight only" else None
+    b = torch.randn(33, device=device) if affine == "bias only" else None
+    g = torch.randn(5, 33, device=device)
+    y, grads = _run(lambda x, w, b: fused_layer_norm(x, (33,), w, b), x, w, b, g)
+    yr, grads_r = _run(lambda x, w, b: F.layer_norm(x, (33,), w, b), x.double(),
+                       None if w is None else w.double(), None if b is None else b.double(), g.double())
+    torch.testing.assert_close(y, yr.float(), **tol(torch.float32))
+    for got, want in zip(grads, grads_r):
+        assert (got is None) == (want is None)
+        if got is not None:
+            torch.testing.assert_close(got, want.float(), **_grads_tol(torch.float32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_frozen_weight_gets_no_gradient(device):
+    """Only the gradients autograd asks for are computed (here: x and bias, not weight)."""
+    torch.manual_seed(10)
+    x = torch.randn(6, 40, device=device, requires_grad=True)
+    w = torch.randn(40, device=device)
+    b = torch.randn(40, device=device, requires_grad=True)
+    g = torch.randn(6, 40, device=device)
+    fused_layer_norm(x, 40, w, b).backward(g)
+    xr, br = x.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    F.layer_norm(xr, (40,), w.double(), br).backward(g.double())
+    assert w.grad is None
+    torch.testing.assert_close(x.grad, xr.grad.float(), **_grads_tol(torch.float32))
+    torch.testing.assert_close(b.grad, br.grad.float(), **_grads_tol(torch.float32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_large_rows_and_large_offset(device):
+    """65536-wide rows (block-wide reduction on CUDA) whose mean is far from zero: a one-pass
+    E[x^2]-E[x]^2 variance would lose every digit here."""
+    torch.manual_seed(2)
+    x = torch.randn(3, 65536, device=device) + 1000.0
+    w = torch.randn(65536, device=device)
+    b = torch.randn(65536, device=device)
+    g = torch.randn(3, 65536, device=device)
+    y, (dx, dw, db) = _run(lambda x, w, b: fused_layer_norm(x, 65536, w, b), x, w, b, g)
+    yr, (dxr, dwr, dbr) = _run(lambda x, w, b: F.layer_norm(x, (65536,), w, b),
+                               x.double(), w.double(), b.double(), g.double())
+    # x itself carries fp32 rounding of ~6e-5 at 1000 on a spread of ~1: that bounds any method.
+    torch.testing.assert_close(y, yr.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dx, dxr.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dw, dwr.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(db, dbr.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_input_and_weight(device):
+    torch.manual_seed(3)
+    x = torch.randn(40, 64, device=device).t()[:, ::2]  # (64, 20), strided both ways
+    w = torch.randn(40, device=device)[::2]
+    assert not x.is_contiguous() and not w.is_contiguous()
+    torch.testing.assert_close(fused_layer_norm(x, 20, w), F.layer_norm(x, (20,), w))
+    g = torch.randn(20, 64, device=device).t()
+    _, (dx, dw, _) = _run(lambda x, w, b: fused_layer_norm(x, 20, w), x, w, None, g)
+    _, (dxr, dwr, _) = _run(lambda x, w, b: F.layer_norm(x, (20,), w), x, w, None, g)
+    torch.testing.assert_close(dx, dxr, **_grads_tol(torch.float32))
+    torch.testing.assert_close(dw, dwr, **_grads_tol(torch.float32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_misaligned_storage(device, dtype):
+    """A contiguous view one element into its storage: the CUDA kernels must fall back from
+    16-byte vectors to scalar access."""
+    torch.manual_seed(9)
+    flat = torch.randn(4 * 256 + 1, device=device).to(dtype)
+    x = flat[1:].view(4, 256)
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0
+    w = torch.randn(257, device=device).to(dtype)[1:]
+    g = torch.randn(4, 256, device=device).to(dtype)
+    y, (dx, dw, _) = _run(lambda x, w, b: fused_layer_norm(x, 256, w), x, w, None, g)
+    yr, (dxr, dwr, _) = _run(lambda x, w, b: F.layer_norm(x, (256,), w), x.double(), w.double(), None, g.double())
+    torch.testing.assert_close(y, yr.to(dtype), **tol(dtype))
+    torch.testing.assert_close(dx, dxr.to(dtype), **_grads_tol(dtype))
+    torch.testing.assert_close(dw, dwr.to(dtype), **_grads_tol(dtype))
+
+
+def test_params_of_another_dtype_are_cast():
+    """fp32 x with bf16 weight (a mix the kernels do not take): cast, gradient back in bf16."""
+    torch.manual_seed(4)
+    x = torch.randn(4, 24)
+    w = torch.randn(24).bfloat16().requires_grad_()
+    y = fused_layer_norm(x, 24, w)
+    torch.testing.assert_close(y, F.layer_norm(x, (24,), w.float()))
+    y.sum().backward()
+    assert w.grad.dtype == torch.bfloat16
+
+
+def test_gradcheck_float64_cpu():
+    torch.manual_seed(5)
+    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: fused_layer_norm(x, (3, 5), w, b), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x: fused_layer_norm(x, 5), (x,))
+
+
+def test_module_is_a_drop_in_for_nn_layer_norm():
+    torch.manual_seed(6)
+    ref = nn.LayerNorm((6, 10), eps=1e-6)
+    with torch.no_grad():
+        ref.weight.normal_()
+        ref.bias.normal_()
+    ours = FusedLayerNorm((6, 10), eps=1e-6)
+    assert isinstance(ours, nn.LayerNorm)
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 6, 10)
+    torch.testing.assert_close(ours(x), ref(x))
+    ours(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    torch.testing.assert_close(ours.weight.grad, ref.weight.grad, **_grads_tol(torch.float32))
+    torch.testing.assert_close(ours.bias.grad, ref.bias.grad, **_grads_tol(torch.float32))
+
+    plain = FusedLayerNorm(8, elementwise_affine=False)
+    assert plain.weight is None and plain.bias is None and plain.state_dict() == {}
+    no_bias = FusedLayerNorm(8, bias=False, dtype=torch.bfloat16)
+    assert no_bias.bias is None and no_bias.weight.dtype == torch.bfloat16
+    x8 = torch.randn(2, 8)
+    torch.testing.assert_close(plain(x8), F.layer_norm(x8, (8,)))
+    torch.testing.assert_close(no_bias(x8.bfloat16()), F.layer_norm(x8.bfloat16(), (8,), no_bias.weight))
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    torch.manual_seed(7)
+    m = FusedLayerNorm(48)
+    with torch.no_grad():
+        m.weight.normal_()
+    x = torch.randn(5, 48, requires_grad=True)
+    compiled = torch.compile(m, fullgraph=True)
+    y = compiled(x)
+    torch.testing.assert_close(y, F.layer_norm(x, (48,), m.weight, m.bias))
+    y.sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    F.layer_norm(xr, (48,), m.weight, m.bias).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, **_grads_tol(torch.float32))
+
+
+@pytest.mark.skipif(not xla_available(), reason="torch_xla is not installed")
+def test_xla_tensors_take_the_reference():
+    import torch_xla
+
+    torch.manual_seed(8)
+    x = torch.randn(3, 12)
+    w = torch.randn(12)
+    dev = torch_xla.device()
+    y = fused_layer_norm(x.to(dev), 12, w.to(dev))
+    torch.testing.assert_close(y.cpu(), F.layer_norm(x, (12,), w), **tol(torch.float32))
+
+
+def test_bad_input_names_argument():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="x"):
+        fused_layer_norm(torch.arange(8).reshape(2, 4), 4)
+    with pytest.raises(ValueError, match="x"):
+        fused_layer_norm([1.0, 2.0], 2)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        fused_layer_norm(x, 7)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        fused_layer_norm(x, (2, 8, 1))
+    with pytest.raises(ValueError, match="normalized_shape"):
+        fused_layer_norm(x, "8")
+    with pytest.raises(ValueError, match="weight"):
+        fused_layer_norm(x, 8, torch.ones(4))
+    with pytest.raises(ValueError, match="bias"):
+        fused_layer_norm(x, 8, torch.ones(8), torch.ones(8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="eps"):
+        fused_layer_norm(x, 8, eps=-1.0)
+    with pytest.raises(ValueError, match="eps"):
+        fused_layer_norm(x, 8, eps="small")

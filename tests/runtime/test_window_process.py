@@ -1,0 +1,210 @@
+import os
+
+import pytest
+import torch
+
+from accel.runtime.nn.window_process import (WindowProcess, WindowProcessReverse, window_partition,
+                                             window_process_reference, window_process_reverse_reference,
+                                             window_reverse)
+from accel.utils.xla import xla_available
+
+from ._params import DEVICES, DTYPES
+
+XLA_ON = bool(xla_available() and os.environ.get("PJRT_DEVICE"))
+if XLA_ON:
+    # torch's autograd engine sizes its per-device queues at its first backward; start the XLA
+    # runtime at collection time, before any CPU backward, or an XLA backward hits an internal assert.
+    import torch_xla
+
+    torch_xla.device()
+
+
+def _partition_by_loops(x, shift, ws):
+    """The definition written out element by element: window (b, wh, ww), pixel (i, j) of the rolled x."""
+    B, H, W, C = x.shape
+    nWh, nWw = H // ws, W // ws
+    out = torch.empty(B * nWh * nWw, ws, ws, C, dtype=x.dtype)
+    for b in range(B):
+        for wh in range(nWh):
+            for ww in range(nWw):
+                for i in range(ws):
+                    for j in range(ws):
+                        # torch.roll(x, s)[h] == x[(h - s) mod H]
+                        out[(b * nWh + wh) * nWw + ww, i, j] = x[b, (wh * ws + i - shift) % H,
+                                                                 (ww * ws + j - shift) % W]
+    return out
+
+
+# (B, H, W, C, window_size, shift): H != W, odd C (no vector width divides the row), shifts of both
+# signs, zero, and larger than H or W (torch.roll wraps them).
+GEOMETRIES = [
+    (2, 14, 21, 5, 7, -3),
+    (1, 8, 12, 16, 4, 2),
+    (3, 6, 9, 3, 3, 0),
+    (1, 4, 6, 8, 2, 7),
+    (2, 10, 5, 1, 5, -13),
+    (1, 12, 8, 96, 4, -2),
+]
+
+
+def test_references_match_the_definition_written_out():
+    torch.manual_seed(0)
+    for B, H, W, C, ws, shift in [(2, 6, 9, 2, 3, -1), (1, 4, 8, 3, 2, 5)]:
+        x = torch.randn(B, H, W, C, dtype=torch.float64)
+        windows = window_process_reference(x, shift, ws)
+        assert torch.equal(windows, _partition_by_loops(x, shift, ws))
+        assert torch.equal(window_reverse(window_partition(x, ws), ws, H, W), x)
+        assert torch.equal(window_process_reverse_reference(windows, H, W, -shift, ws), x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
+def test_partition_forward_backward_match_reference(device, dtype, geometry):
+    B, H, W, C, ws, shift = geometry
+    torch.manual_seed(0)
+    x = torch.randn(B, H, W, C, device=device).to(dtype).requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    y = WindowProcess.apply(x, B, H, W, C, shift, ws)
+    yr = window_partition(torch.roll(xr, (shift, shift), (1, 2)), ws)
+    assert y.shape == yr.shape and y.dtype == dtype
+    assert torch.equal(y, yr)  # a permutation: bit-exact
+    g = torch.randn(yr.shape, device=device).to(dtype)
+    y.backward(g)
+    yr.backward(g)
+    assert torch.equal(x.grad, xr.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
+def test_reverse_forward_backward_match_reference(device, dtype, geometry):
+    B, H, W, C, ws, shift = geometry
+    torch.manual_seed(1)
+    nW = (H // ws) * (W // ws)
+    w = torch.randn(B * nW, ws, ws, C, device=device).to(dtype).requires_grad_()
+    wr = w.detach().clone().requires_grad_()
+    y = WindowProcessReverse.apply(w, B, H, W, C, shift, ws)
+    yr = torch.roll(window_reverse(wr, ws, H, W), (shift, shift), (1, 2))
+    assert y.shape == (B, H, W, C) and y.dtype == dtype
+    assert torch.equal(y, yr)
+    g = torch.randn(yr.shape, device=device).to(dtype)
+    y.backward(g)
+    yr.backward(g)
+    assert torch.equal(w.grad, wr.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_trip_is_identity(device):
+    x = torch.randn(2, 14, 28, 6, device=device)
+    for shift in (-3, 0, 3):
+        windows = WindowProcess.apply(x, 2, 14, 28, 6, -shift, 7)
+        assert torch.equal(WindowProcessReverse.apply(windows, 2, 14, 28, 6, shift, 7), x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_input(device):
+    base = torch.randn(2, 12, 16, 10, device=device)
+    x = base[..., ::2]  # [2, 12, 16, 5], strided last dim
+    assert not x.is_contiguous()
+    torch.testing.assert_close(WindowProcess.apply(x, 2, 12, 16, 5, -2, 4),
+                               window_process_reference(x, -2, 4), rtol=0, atol=0)
+    w = torch.randn(24, 4, 4, 10, device=device).transpose(1, 2)
+    assert not w.is_contiguous()
+    torch.testing.assert_close(WindowProcessReverse.apply(w, 2, 12, 16, 10, 2, 4),
+                               window_process_reverse_reference(w, 12, 16, 2, 4), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch_and_channels(device):
+    x = torch.randn(0, 8, 8, 4, device=device)
+    assert WindowProcess.apply(x, 0, 8, 8, 4, 1, 4).shape == (0, 4, 4, 4)
+    x = torch.randn(2, 8, 8, 0, device=device)
+    assert WindowProcess.apply(x, 2, 8, 8, 0, 1, 4).shape == (8, 4, 4, 0)
+    w = torch.randn(0, 4, 4, 3, device=device)
+    assert WindowProcessReverse.apply(w, 0, 8, 8, 3, -1, 4).shape == (0, 8, 8, 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_more_than_65535_windows(device):
+    # window_size 1 makes every pixel a window: 257 * 256 = 65792 windows, beyond a gridDim.y/z limit.
+    x = torch.randn(1, 257, 256, 3, device=device)
+    y = WindowProcess.apply(x, 1, 257, 256, 3, 5, 1)
+    assert y.shape[0] == 65792
+    assert torch.equal(y, window_process_reference(x, 5, 1))
+    assert torch.equal(WindowProcessReverse.apply(y, 1, 257, 256, 3, -5, 1), x)
+
+
+def test_gradcheck_float64_cpu():
+    x = torch.randn(2, 6, 9, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: WindowProcess.apply(t, 2, 6, 9, 3, -1, 3), (x,))
+    w = torch.randn(12, 3, 3, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: WindowProcessReverse.apply(t, 2, 6, 9, 3, 2, 3), (w,))
+
+
+def test_raw_ops_have_gradients():
+    from accel.runtime.nn.window_process import _ops
+    x = torch.randn(1, 4, 6, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: _ops().window_process_partition(t, 2, 1), (x,))
+    w = torch.randn(6, 2, 2, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: _ops().window_process_reverse(t, 4, 6, 2, -1), (w,))
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    def block(x):
+        windows = WindowProcess.apply(x, 2, 8, 12, 5, -2, 4)
+        return WindowProcessReverse.apply(windows * 2.0, 2, 8, 12, 5, 2, 4)
+
+    def block_ref(x):
+        windows = window_partition(torch.roll(x, (-2, -2), (1, 2)), 4)
+        return torch.roll(window_reverse(windows * 2.0, 4, 8, 12), (2, 2), (1, 2))
+
+    x = torch.randn(2, 8, 12, 5)
+    block(x)  # loads the kernels before compiling
+    compiled = torch.compile(block, fullgraph=True)
+    xc = x.clone().requires_grad_()
+    xr = x.clone().requires_grad_()
+    y, yr = compiled(xc), block_ref(xr)
+    torch.testing.assert_close(y, yr, rtol=0, atol=0)
+    g = torch.randn_like(yr)
+    y.backward(g)
+    yr.backward(g)
+    torch.testing.assert_close(xc.grad, xr.grad, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not XLA_ON, reason="needs torch_xla with PJRT_DEVICE set (PJRT_DEVICE=CPU works)")
+def test_xla_tensors_take_the_reference():
+    import torch_xla
+
+    dev = torch_xla.device()
+    x = torch.randn(1, 4, 6, 3)
+    xx = x.to(dev).requires_grad_()
+    windows = WindowProcess.apply(xx, 1, 4, 6, 3, -1, 2)
+    y = WindowProcessReverse.apply(windows * 2.0, 1, 4, 6, 3, 1, 2)
+    y.sum().backward()
+    torch.testing.assert_close(windows.cpu(), _partition_by_loops(x, -1, 2), rtol=0, atol=0)
+    torch.testing.assert_close(y.cpu(), 2.0 * x, rtol=0, atol=0)
+    torch.testing.assert_close(xx.grad.cpu(), torch.full_like(x, 2.0), rtol=0, atol=0)
+
+
+def test_bad_input_names_argument():
+    x = torch.randn(2, 14, 21, 5)
+    with pytest.raises(ValueError, match="window_size"):
+        WindowProcess.apply(x, 2, 14, 21, 5, 0, 4)  # 4 divides neither 14 nor 21
+    with pytest.raises(ValueError, match="window_size"):
+        WindowProcess.apply(x, 2, 14, 21, 5, 0, 0)
+    with pytest.raises(ValueError, match="x"):
+        WindowProcess.apply(x.view(2, 294, 5), 2, 14, 21, 5, 0, 7)
+    with pytest.raises(ValueError, match=r"x: expected shape \(B, H, W, C\)"):
+        WindowProcess.apply(x, 2, 21, 14, 5, 0, 7)  # B*H*W*C agrees, the shape does not
+    with pytest.raises(ValueError, match="x"):
+        WindowProcess.apply(torch.arange(8).view(1, 2, 2, 2), 1, 2, 2, 2, 0, 1)
+    with pytest.raises(ValueError, match="shift_size"):
+        WindowProcess.apply(x, 2, 14, 21, 5, 1.5, 7)
+    w = torch.randn(12, 7, 7, 5)
+    with pytest.raises(ValueError, match="windows"):
+        WindowProcessReverse.apply(w.view(12, 49, 5), 2, 14, 21, 5, 0, 7)
+    with pytest.raises(ValueError, match="windows"):
+        WindowProcessReverse.apply(w, 3, 14, 21, 5, 0, 7)  # 12 windows cannot hold B=3
+    with pytest.raises(ValueError, match="window_size"):
+        WindowProcessReverse.apply(w, 2, 14, 21, 5, 0, 5)

@@ -1,0 +1,305 @@
+"""accel.auto_checkpoint against the unwrapped model: same outputs, gradients, state_dict keys;
+fewer saved activations (checked against hand-counted bytes); budget plans; undo; XLA."""
+import copy
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import accel
+from accel.checkpoint import (activation_bytes, auto_checkpoint, checkpoint_plan, find_repeated_blocks,
+                              remove_checkpoint)
+from accel.utils.xla import xla_available
+
+B, D, H, N = 4, 6, 10, 5  # batch, block width, hidden width of a block, blocks
+F32 = 4
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, d=D, h=H, dropout=0.0, norm=False):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.act = nn.GELU()
+        self.norm = nn.BatchNorm1d(h) if norm else nn.Identity()
+        self.drop = nn.Dropout(dropout)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        return x + self.fc2(self.drop(self.norm(self.act(self.fc1(x)))))
+
+
+def mlp(n=N, **kw):
+    torch.manual_seed(0)
+    return nn.Sequential(*[MLPBlock(**kw) for _ in range(n)])
+
+
+def small_bert(dropout=0.0, layers=3):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                                  intermediate_size=37, vocab_size=97, max_position_embeddings=64,
+                                  hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    torch.manual_seed(0)
+    return transformers.BertModel(cfg)
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def count_calls(modules):
+    """Forward calls of each module, via forward hooks (independent of the wrapper)."""
+    counts = {id(m): 0 for m in modules}
+
+    def hook(m, *_):
+        counts[id(m)] += 1
+
+    handles = [m.register_forward_hook(hook) for m in modules]
+    return counts, handles
+
+
+# --------------------------------------------------------------------------- finding the blocks
+
+def test_finds_bert_encoder_layers():
+    container, blocks = find_repeated_blocks(small_bert(layers=4))
+    assert container == "encoder.layer"
+    assert [n for n, _ in blocks] == [f"encoder.layer.{i}" for i in range(4)]
+
+
+def test_finds_mlp_blocks_among_other_layers_and_picks_the_biggest_group():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, D), *[MLPBlock() for _ in range(3)], nn.Linear(D, 2),
+                          nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))  # a smaller repeated group
+    container, blocks = find_repeated_blocks(model)
+    assert container == "" and [n for n, _ in blocks] == ["1", "2", "3"]
+
+
+def test_blocks_with_different_shapes_are_not_grouped():
+    model = nn.Sequential(MLPBlock(h=8), MLPBlock(h=9), MLPBlock(h=10))
+    assert find_repeated_blocks(model) == ("", [])
+    with pytest.warns(UserWarning, match="no repeated blocks"):
+        assert auto_checkpoint(model) is model
+    assert checkpoint_plan(model) is None
+
+
+# --------------------------------------------------------------------------- same results
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_bert_outputs_and_grads_match_unwrapped(dropout):
+    ref = small_bert(dropout)
+    model = accel.auto_checkpoint(copy.deepcopy(ref))
+    assert checkpoint_plan(model).checkpointed == [f"encoder.layer.{i}" for i in range(3)]
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    outs = []
+    for m in (ref, model):
+        torch.manual_seed(5)  # same dropout masks: checkpointing replays the RNG on recompute
+        out = m(input_ids=ids, attention_mask=mask).last_hidden_state
+        (out.square().mean() + out.sum()).backward()
+        outs.append(out.detach())
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    g_ref, g = grads(ref), grads(model)
+    assert g.keys() == g_ref.keys() and len(g) > 10
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_mlp_outputs_grads_and_recomputation():
+    ref = mlp()
+    model = auto_checkpoint(copy.deepcopy(ref))
+    x = torch.randn(B, D, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    counts, handles = count_calls([blk.fc1 for blk in model])
+    out = model(x)
+    out.pow(3).sum().backward()
+    ref_out = ref(xr)
+    ref_out.pow(3).sum().backward()
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, xr.grad)
+    for name, g in grads(ref).items():
+        torch.testing.assert_close(grads(model)[name], g, msg=name)
+    # each block ran twice: the forward and its recomputation in backward
+    assert list(counts.values()) == [2] * N
+    for h in handles:
+        h.remove()
+
+
+def test_eval_and_no_grad_do_not_checkpoint():
+    model = auto_checkpoint(mlp())
+    counts, _ = count_calls([blk.fc1 for blk in model])
+    x = torch.randn(B, D)
+    with torch.no_grad():
+        model(x)
+    model.eval()
+    model(x).sum().backward()
+    assert list(counts.values()) == [2] * N  # one call each time, never a recomputation
+    model.train()
+    model(x).sum().backward()
+    assert list(counts.values()) == [4] * N  # training again: forward + recomputation
+
+
+# --------------------------------------------------------------------------- saved bytes by hand
+
+def test_activation_bytes_match_hand_count():
+    """Plain block: fc1 saves its input (B x D), GELU its input (B x H), fc2 its input (B x H).
+    A checkpointed block keeps only its input (B x D) for the recomputation."""
+    x = torch.randn(B, D)
+    model = mlp()
+    assert activation_bytes(model, (x,)) == N * (B * D + 2 * B * H) * F32
+    auto_checkpoint(model)
+    assert activation_bytes(model, (x,)) == N * B * D * F32
+
+
+def test_activation_bytes_of_bert_drop_by_more_than_half():
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    model = small_bert(layers=4)
+    before = activation_bytes(model, {"input_ids": ids})
+    auto_checkpoint(model)
+    after = activation_bytes(model, {"input_ids": ids})
+    assert after < 0.5 * before
+
+
+# --------------------------------------------------------------------------- state_dict, idempotence, undo
+
+def test_state_dict_keys_unchanged_and_loadable():
+    ref = small_bert()
+    keys = list(ref.state_dict())
+    buf = io.BytesIO()
+    torch.save(ref.state_dict(), buf)
+    model = auto_checkpoint(small_bert())
+    assert list(model.state_dict()) == keys
+    buf.seek(0)
+    model.load_state_dict(torch.load(buf))
+    ids = torch.randint(0, 97, (1, 9))
+    torch.testing.assert_close(model(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state)
+
+
+def test_idempotent_and_undo():
+    model = mlp()
+    auto_checkpoint(model)
+    auto_checkpoint(model)  # re-plans, does not wrap twice
+    assert all(blk.__dict__["_accel_ckpt_forward"] is None for blk in model)
+    counts, _ = count_calls([blk.fc1 for blk in model])
+    model(torch.randn(B, D)).sum().backward()
+    assert list(counts.values()) == [2] * N
+    remove_checkpoint(model)
+    assert checkpoint_plan(model) is None
+    assert all("forward" not in blk.__dict__ for blk in model)
+    model(torch.randn(B, D)).sum().backward()
+    assert list(counts.values()) == [3] * N  # plain again: one call per step
+    assert remove_checkpoint(model) is model  # undoing twice is harmless
+
+
+# --------------------------------------------------------------------------- memory budget
+
+def _bytes(plain_blocks):
+    return N * B * D * F32 + plain_blocks * 2 * B * H * F32
+
+
+@pytest.mark.parametrize("plain", [0, 2, N])
+def test_budget_with_example_inputs_checkpoints_just_enough(plain):
+    x = torch.randn(B, D)
+    budget = _bytes(plain) + 7  # fits `plain` unchecked blocks, not one more
+    model = auto_checkpoint(mlp(), memory_budget=budget, example_inputs=(x,))
+    plan = checkpoint_plan(model)
+    assert plan.checkpointed == [str(i) for i in range(N - plain)]
+    assert plan.measured["chosen"] == _bytes(plain) <= budget
+    assert plan.measured["all"] == _bytes(0) and plan.measured["per_block"] == 2 * B * H * F32
+    assert activation_bytes(model, (x,)) == _bytes(plain)
+
+
+def test_budget_too_small_checkpoints_everything_and_warns():
+    with pytest.warns(UserWarning, match="cannot be met"):
+        model = auto_checkpoint(mlp(), memory_budget=10, example_inputs=torch.randn(B, D))
+    assert checkpoint_plan(model).checkpointed == [str(i) for i in range(N)]
+
+
+def test_budget_planned_lazily_at_first_forward_leaves_rng_and_buffers_untouched():
+    ref = mlp(dropout=0.3, norm=True)
+    x = torch.randn(B, D)
+    budget = int(0.6 * activation_bytes(ref, (x,)))
+    model = auto_checkpoint(copy.deepcopy(ref), memory_budget=budget)
+    plan = checkpoint_plan(model)
+    assert plan.pending and plan.checkpointed == []
+    torch.manual_seed(3)
+    out = model(x)
+    torch.manual_seed(3)
+    ref_out = ref(x)
+    # the dry runs drew dropout masks and updated BatchNorm stats; both were restored first
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    for (name, b), (_, rb) in zip(model.named_buffers(), ref.named_buffers()):
+        torch.testing.assert_close(b, rb, msg=name)
+    assert not plan.pending and 0 < len(plan.checkpointed) < N
+    assert plan.measured["chosen"] <= plan.memory_budget
+    out.sum().backward()
+    ref_out.sum().backward()
+    for name, g in grads(ref).items():
+        torch.testing.assert_close(grads(model)[name], g, msg=name)
+
+
+def test_lazy_plan_waits_for_a_training_forward():
+    model = auto_checkpoint(mlp(), memory_budget=_bytes(1) + 1)
+    model.eval()
+    model(torch.randn(B, D))
+    assert checkpoint_plan(model).pending
+    model.train()
+    model(torch.randn(B, D))
+    assert checkpoint_plan(model).checkpointed == [str(i) for i in range(N - 1)]
+
+
+# --------------------------------------------------------------------------- bad input
+
+def test_bad_arguments_name_the_argument():
+    with pytest.raises(ValueError, match="model"):
+        auto_checkpoint("not a model")
+    for bad in (0, -5, 1.5, "1GB", True):
+        with pytest.raises(ValueError, match="memory_budget"):
+            auto_checkpoint(mlp(), memory_budget=bad)
+    with pytest.raises(ValueError, match="example_inputs"):
+        auto_checkpoint(mlp(), memory_budget=100, example_inputs=3)
+
+
+# --------------------------------------------------------------------------- XLA
+
+_XLA_SCRIPT = """
+import copy, torch, torch_xla
+from tests.test_checkpoint import B, D, mlp, count_calls
+from accel.checkpoint import auto_checkpoint
+import torch_xla.utils.checkpoint as xla_ckpt
+calls = []
+original = xla_ckpt.checkpoint
+xla_ckpt.checkpoint = lambda *a, **k: calls.append(1) or original(*a, **k)
+device = torch_xla.device()
+ref = mlp(n=2)
+model = auto_checkpoint(copy.deepcopy(ref).to(device))
+counts, _ = count_calls([blk.fc1 for blk in model])
+x = torch.randn(B, D)
+out = model(x.to(device))
+out.pow(2).sum().backward()
+torch_xla.sync()
+ref_out = ref(x)
+ref_out.pow(2).sum().backward()
+assert len(calls) == 2, calls  # torch_xla's checkpoint, once per block
+assert list(counts.values()) == [2, 2], counts  # forward + recomputation
+torch.testing.assert_close(out.cpu(), ref_out, rtol=1e-5, atol=1e-6)
+for (name, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+    torch.testing.assert_close(p.grad.cpu(), rp.grad, rtol=1e-5, atol=1e-6, msg=name)
+print("xla-ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not xla_available(), reason="torch_xla is not installed")
+def test_xla_uses_xla_checkpoint_and_matches_cpu():
+    # A fresh process: autograd sizes its per-device queues at the process's first backward, so
+    # XLA backward fails in a process that ran a CPU backward before torch_xla made its device.
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-c", _XLA_SCRIPT], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "xla-ok" in proc.stdout, proc.stderr[-3000:]
