@@ -11,7 +11,10 @@ INSTALL_HINT = "pip install 'accel[xla]' (torch_xla 2.9 needs torch 2.9.0)"
 
 @functools.cache
 def xla_available() -> bool:
-    return importlib.util.find_spec("torch_xla") is not None
+    try:
+        return importlib.util.find_spec("torch_xla") is not None
+    except (ImportError, ValueError):  # a broken install or an import hook that refuses it
+        return False
 
 
 def require_xla(feature: str):
