@@ -117,9 +117,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    runs = [train_eager(args)]
     from accel.utils.xla import xla_available
 
+    if xla_available():
+        # Start the XLA runtime before any eager backward: torch's autograd engine sizes its device
+        # queues at the first backward, and XLA devices that appear later have none.
+        import accel.xla as xm
+
+        xm.xla_device()
+    runs = [train_eager(args)]
     if xla_available():
         runs.append(train_xla(args))
     else:
