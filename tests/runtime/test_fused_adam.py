@@ -155,7 +155,13 @@ def test_small_chunks_exercise_offsets(device, dtype, chunk_size):
             torch.testing.assert_close(p, r, **FP32)
     for p, q in zip(a, b):
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-            assert torch.equal(small.state[p][key], big.state[q][key])
+            if dtype == torch.float32:
+                assert torch.equal(small.state[p][key], big.state[q][key])
+            else:
+                # The scalar loop's fp32 math on half/bfloat16 inputs may be FMA-contracted differently
+                # from the vector loop depending on the torch headers (seen with torch 2.13): allow a
+                # couple of fp32 ulps in the state. A chunk/offset bug would be off by far more.
+                torch.testing.assert_close(small.state[p][key], big.state[q][key], rtol=4e-6, atol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
