@@ -13,6 +13,8 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "layer_norm_host.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
@@ -282,70 +284,7 @@ __global__ void layer_norm_bwd_params_final_kernel(const acc_t* __restrict__ par
   }
 }
 
-struct Rows {
-  int64_t M;
-  int64_t N;
-};
-
-Rows rows_of(const at::Tensor& x, int64_t normalized_ndim) {
-  TORCH_CHECK(normalized_ndim >= 1 && normalized_ndim <= x.dim(),
-              "layer_norm: normalized_ndim must be in [1, x.dim()], got ", normalized_ndim);
-  int64_t M = 1, N = 1;
-  const int64_t lead = x.dim() - normalized_ndim;
-  for (int64_t d = 0; d < x.dim(); ++d) (d < lead ? M : N) *= x.size(d);
-  return {M, N};
-}
-
-void check_params(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
-                  const c10::optional<at::Tensor>& bias, int64_t N) {
-  const bool reduced = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
-  c10::optional<at::ScalarType> param_type;
-  for (const auto* p : {&weight, &bias}) {
-    if (!p->has_value()) continue;
-    const at::Tensor& t = **p;
-    TORCH_CHECK(t.numel() == N, "layer_norm: weight/bias must have ", N, " elements, got ", t.numel());
-    TORCH_CHECK(t.device() == x.device(), "layer_norm: weight/bias must be on x's device");
-    TORCH_CHECK(t.scalar_type() == x.scalar_type() || (reduced && t.scalar_type() == at::kFloat),
-                "layer_norm: weight/bias must have x's dtype or (for half/bfloat16 x) float32");
-    TORCH_CHECK(!param_type || *param_type == t.scalar_type(), "layer_norm: weight and bias dtypes differ");
-    param_type = t.scalar_type();
-  }
-}
-
-at::ScalarType param_type_of(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
-                             const c10::optional<at::Tensor>& bias) {
-  if (weight.has_value()) return weight->scalar_type();
-  if (bias.has_value()) return bias->scalar_type();
-  return x.scalar_type();
-}
-
-at::ScalarType stat_type_of(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-template <typename F>
-void dispatch_types(at::ScalarType xt, at::ScalarType pt, F&& f) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xt, "layer_norm_cuda", [&] {
-    using T = scalar_t;
-    if (pt == xt) {
-      f(T(), T());
-      return;
-    }
-    // fp32 params beside fp16/bf16 x only (check_params refuses other mixes)
-    if constexpr (std::is_same_v<T, at::Half> || std::is_same_v<T, at::BFloat16>) {
-      if (pt == at::kFloat) {
-        f(T(), float());
-        return;
-      }
-    }
-    TORCH_CHECK(false, "layer_norm: unsupported weight/bias dtype ", pt, " for x of dtype ", xt);
-  });
-}
-
-template <typename P>
-const P* data_or_null(const c10::optional<at::Tensor>& t) {
-  return t.has_value() ? t->const_data_ptr<P>() : nullptr;
-}
+using namespace layer_norm_host;
 
 inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
