@@ -77,5 +77,17 @@ const P* data_or_null(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? t->const_data_ptr<P>() : nullptr;
 }
 
+// The backward's inputs must be what the forward produced for x (stats of M rows in stat_type_of(x)).
+inline void check_bwd_args(const at::Tensor& dy_, const at::Tensor& x_, const at::Tensor& mean_,
+                           const at::Tensor& rstd_, const c10::optional<at::Tensor>& weight_,
+                           const c10::optional<at::Tensor>& bias_, int64_t M, bool need_dweight, bool need_dbias) {
+  TORCH_CHECK(dy_.sizes() == x_.sizes(), "layer_norm_bwd: dy and x differ in shape");
+  TORCH_CHECK(mean_.numel() == M && rstd_.numel() == M, "layer_norm_bwd: mean/rstd must have ", M, " elements");
+  TORCH_CHECK(mean_.scalar_type() == stat_type_of(x_) && rstd_.scalar_type() == stat_type_of(x_),
+              "layer_norm_bwd: mean/rstd have the wrong dtype");
+  TORCH_CHECK(!need_dweight || weight_.has_value(), "layer_norm_bwd: need_dweight without weight");
+  TORCH_CHECK(!need_dbias || bias_.has_value(), "layer_norm_bwd: need_dbias without bias");
+}
+
 }  // namespace layer_norm_host
 }  // namespace accel

@@ -361,12 +361,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
   const Rows shape = rows_of(x_, normalized_ndim);
   const int64_t M = shape.M, N = shape.N;
   check_params(x_, weight_, bias_, N);
-  TORCH_CHECK(dy_.sizes() == x_.sizes(), "layer_norm_bwd: dy and x differ in shape");
-  TORCH_CHECK(mean_.numel() == M && rstd_.numel() == M, "layer_norm_bwd: mean/rstd must have ", M, " elements");
-  TORCH_CHECK(mean_.scalar_type() == stat_type_of(x_) && rstd_.scalar_type() == stat_type_of(x_),
-              "layer_norm_bwd: mean/rstd have the wrong dtype");
-  TORCH_CHECK(!need_dweight || weight_.has_value(), "layer_norm_bwd: need_dweight without weight");
-  TORCH_CHECK(!need_dbias || bias_.has_value(), "layer_norm_bwd: need_dbias without bias");
+  check_bwd_args(dy_, x_, mean_, rstd_, weight_, bias_, M, need_dweight, need_dbias);
   auto x = x_.contiguous();
   auto dy = dy_.to(x.scalar_type()).contiguous();
   auto mean = mean_.contiguous();
