@@ -55,3 +55,23 @@ def params_with_grads(group: dict, what: str) -> list[Tensor]:
             raise RuntimeError(f"{what} does not support sparse gradients")
         out.append(p)
     return out
+
+
+class SyncFreeOptimizer(torch.optim.Optimizer):
+    """Base of the sync-free optimizers: ``step(closure=None, found_inf=None)`` runs the closure,
+    then ``_step_group(group, found_inf)`` for each group; where ``found_inf`` is a non-zero
+    tensor, parameters and state stay as they were."""
+
+    # accel.amp.GradScaler passes its on-device overflow flag to optimizers that say this.
+    _step_supports_found_inf = True
+
+    @torch.no_grad()
+    def step(self, closure=None, found_inf: Optional[Tensor] = None):
+        check_found_inf(found_inf)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group, found_inf)
+        return loss

@@ -1,24 +1,20 @@
 """Adam whose step can be skipped on the device (found_inf) without a host sync."""
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
-from torch import Tensor
 
 from . import _functional
-from ._common import check_found_inf, check_lr, check_non_negative, device_step, params_with_grads
+from ._common import SyncFreeOptimizer, check_lr, check_non_negative, device_step, params_with_grads
 
 
-class Adam(torch.optim.Optimizer):
+class Adam(SyncFreeOptimizer):
     """torch.optim.Adam's update rule; ``step(found_inf=t)`` skips the step where ``t != 0``.
 
     Works on XLA, CUDA and CPU tensors. ``state["step"]`` is a float32 tensor on the
     parameter's device, so counting a step (or not) never leaves the device.
     """
 
-    # accel.amp.GradScaler passes its on-device overflow flag to optimizers that say this.
-    _step_supports_found_inf = True
     _decoupled_weight_decay = False
 
     def __init__(
@@ -68,33 +64,24 @@ class Adam(torch.optim.Optimizer):
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             steps.append(device_step(state, p))
 
-    @torch.no_grad()
-    def step(self, closure=None, found_inf: Optional[Tensor] = None):
-        """One update; where ``found_inf`` is a non-zero tensor, parameters and state stay as they were."""
-        check_found_inf(found_inf)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
-            self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
-            beta1, beta2 = group["betas"]
-            _functional.adam(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                max_exp_avg_sqs,
-                steps,
-                found_inf,
-                amsgrad=group["amsgrad"],
-                beta1=beta1,
-                beta2=beta2,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=group["maximize"],
-                decoupled_weight_decay=self._decoupled_weight_decay,
-            )
-        return loss
+    def _step_group(self, group, found_inf):
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+        self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+        beta1, beta2 = group["betas"]
+        _functional.adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            steps,
+            found_inf,
+            amsgrad=group["amsgrad"],
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            decoupled_weight_decay=self._decoupled_weight_decay,
+        )

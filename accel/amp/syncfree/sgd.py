@@ -1,16 +1,14 @@
 """SGD (momentum, Nesterov) whose step can be skipped on the device without a host sync."""
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
-from torch import Tensor
 
 from . import _functional
-from ._common import check_found_inf, check_lr, check_non_negative, device_step, params_with_grads
+from ._common import SyncFreeOptimizer, check_lr, check_non_negative, device_step, params_with_grads
 
 
-class SGD(torch.optim.Optimizer):
+class SGD(SyncFreeOptimizer):
     """torch.optim.SGD's update rule; ``step(found_inf=t)`` skips the step where ``t != 0``.
 
     With momentum, state holds ``momentum_buffer`` and ``step`` (applied steps, a device
@@ -18,7 +16,6 @@ class SGD(torch.optim.Optimizer):
     from ``step == 0`` instead of from the buffer's absence on the host.
     """
 
-    _step_supports_found_inf = True
 
     def __init__(
         self,
@@ -68,28 +65,19 @@ class SGD(torch.optim.Optimizer):
             bufs.append(state["momentum_buffer"])
             steps.append(device_step(state, p))
 
-    @torch.no_grad()
-    def step(self, closure=None, found_inf: Optional[Tensor] = None):
-        """One update; where ``found_inf`` is a non-zero tensor, parameters and state stay as they were."""
-        check_found_inf(found_inf)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params, grads, bufs, steps = [], [], [], []
-            self._init_group(group, params, grads, bufs, steps)
-            _functional.sgd(
-                params,
-                grads,
-                bufs,
-                steps,
-                found_inf,
-                weight_decay=group["weight_decay"],
-                momentum=group["momentum"],
-                lr=group["lr"],
-                dampening=group["dampening"],
-                nesterov=group["nesterov"],
-                maximize=group["maximize"],
-            )
-        return loss
+    def _step_group(self, group, found_inf):
+        params, grads, bufs, steps = [], [], [], []
+        self._init_group(group, params, grads, bufs, steps)
+        _functional.sgd(
+            params,
+            grads,
+            bufs,
+            steps,
+            found_inf,
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            lr=group["lr"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+        )
