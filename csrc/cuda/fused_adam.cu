@@ -16,6 +16,8 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "fused_adam_host.h"
+
 #include <cstdint>
 #include <vector>
 
@@ -171,13 +173,7 @@ __global__ void advance_steps_kernel(const TensorListMeta meta, const float* fou
   if (i < meta.n) *meta.step[i] += 1.f;
 }
 
-at::ScalarType state_dtype_for(at::ScalarType param) {
-  return param == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-struct Work {
-  at::Tensor p, g, m, v, vm;
-};
+using namespace fused_adam_host;
 
 void fused_adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                           at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps,
@@ -185,34 +181,16 @@ void fused_adam_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
                           double eps, double weight_decay, bool amsgrad, bool maximize,
                           bool decoupled_weight_decay, const std::optional<at::Tensor>& grad_scale,
                           const std::optional<at::Tensor>& found_inf, int64_t chunk_size) {
+  check_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad, chunk_size);
   const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n,
-              "fused_adam_step: params, grads, exp_avgs, exp_avg_sqs and steps must have the same length");
-  TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == n,
-              "fused_adam_step: amsgrad needs one max_exp_avg_sq per param");
-  TORCH_CHECK(chunk_size > 0, "fused_adam_step: chunk_size must be positive, got ", chunk_size);
   if (n == 0) return;
   const auto device = params[0].device();
   c10::cuda::CUDAGuard guard(device);
   for (size_t i = 0; i < n; ++i) {
-    const auto dt = params[i].scalar_type();
-    TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 || dt == at::kDouble,
-                "fused_adam_step: params[", i, "] has unsupported dtype ", dt);
-    const auto st = state_dtype_for(dt);
     TORCH_CHECK(params[i].device() == device && grads[i].device() == device && exp_avgs[i].device() == device &&
                     exp_avg_sqs[i].device() == device && steps[i].device() == device &&
                     (!amsgrad || max_exp_avg_sqs[i].device() == device),
                 "fused_adam_step: every tensor must be on ", device, " (params[", i, "] or its state is not)");
-    TORCH_CHECK(grads[i].scalar_type() == dt && grads[i].sizes() == params[i].sizes(),
-                "fused_adam_step: grads[", i, "] differs from its param in dtype or shape");
-    TORCH_CHECK(exp_avgs[i].scalar_type() == st && exp_avg_sqs[i].scalar_type() == st &&
-                    exp_avgs[i].numel() == params[i].numel() && exp_avg_sqs[i].numel() == params[i].numel(),
-                "fused_adam_step: state of params[", i, "] must be ", st, " with the param's size");
-    TORCH_CHECK(!amsgrad || (max_exp_avg_sqs[i].scalar_type() == st &&
-                             max_exp_avg_sqs[i].numel() == params[i].numel()),
-                "fused_adam_step: max_exp_avg_sqs[", i, "] has the wrong dtype or size");
-    TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat,
-                "fused_adam_step: steps[", i, "] must be a one-element float32 tensor");
     const int64_t chunks = (params[i].numel() + chunk_size - 1) / chunk_size;
     TORCH_CHECK(chunks < (int64_t(1) << 40), "fused_adam_step: chunk_size ", chunk_size, " is too small");
   }
@@ -285,12 +263,7 @@ void fused_adam_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
     }
   }
 
-  for (size_t i = 0; i < n; ++i) {
-    if (!work[i].p.is_same(params[i])) params[i].copy_(work[i].p);
-    if (!work[i].m.is_same(exp_avgs[i])) exp_avgs[i].copy_(work[i].m);
-    if (!work[i].v.is_same(exp_avg_sqs[i])) exp_avg_sqs[i].copy_(work[i].v);
-    if (amsgrad && !work[i].vm.is_same(max_exp_avg_sqs[i])) max_exp_avg_sqs[i].copy_(work[i].vm);
-  }
+  write_back(work, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad);
 }
 
 }  // namespace
