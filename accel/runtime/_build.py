@@ -63,27 +63,30 @@ def sources(op: str) -> list[str]:
     return [str(s) for s in srcs]
 
 
-_loaded: dict[str, ModuleType] = {}
+_loaded: dict[str, bool] = {}
 
 
 def ops(op: str, register: Callable[[], None] | None = None):
     """torch.ops.accel, once `op`'s kernels are loaded and `register` (its fake/autograd
-    registrations) has run. Safe inside torch.compile: after the first call this is one dict
-    lookup, which Dynamo guards on instead of tracing into the build."""
-    if op not in _loaded:
-        _load(op, register)
+    registrations) has run. Works inside torch.compile(fullgraph=True) too, also as the very
+    first call: see `_ensure_loaded`."""
+    _ensure_loaded(op, register)
     return torch.ops.accel
 
 
-@torch.compiler.disable
-def _load(op: str, register: Callable[[], None] | None) -> None:
-    with _lock:
-        if op in _loaded:
-            return
-        module = load(op)
-        if register is not None:
-            register()
-        _loaded[op] = module
+# Dynamo runs a function marked assume_constant_result for real while it traces and keeps only
+# its result, so the build/load happens at trace time and the op already exists when Dynamo
+# looks up torch.ops.accel.<name> right after. Once loaded, this is one dict lookup.
+@torch.compiler.assume_constant_result
+def _ensure_loaded(op: str, register: Callable[[], None] | None) -> bool:
+    if op not in _loaded:
+        with _lock:
+            if op not in _loaded:
+                load(op)
+                if register is not None:
+                    register()
+                _loaded[op] = True
+    return True
 
 
 @functools.cache

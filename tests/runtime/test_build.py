@@ -73,3 +73,25 @@ def test_unknown_op_is_a_clear_error():
 
     with pytest.raises(ValueError, match=r"no C\+\+ source"):
         _build.sources("no_such_op")
+
+
+FIRST_CALL_COMPILED = textwrap.dedent("""
+    import torch
+    from accel.runtime.nn.quick_gelu import quick_gelu, quick_gelu_reference
+    x = torch.randn(37, requires_grad=True)
+    y = torch.compile(quick_gelu, fullgraph=True)(x)  # the op's first use in this process
+    y.sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    quick_gelu_reference(xr).sum().backward()
+    torch.testing.assert_close(y, quick_gelu_reference(x))
+    torch.testing.assert_close(x.grad, xr.grad)
+    print("OK")
+""")
+
+
+def test_first_call_inside_fullgraph_compile_loads_the_kernels():
+    # Fresh process: nothing is loaded yet, so Dynamo meets the load while tracing.
+    proc = subprocess.run([sys.executable, "-c", FIRST_CALL_COMPILED], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "OK" in proc.stdout

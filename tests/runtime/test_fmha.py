@@ -186,7 +186,6 @@ def test_torch_compile_fullgraph_forward_and_backward():
 
     attn = torch.randn(B * nW, nH, N, N)
     bias = torch.randn(nH, N, N)
-    scores(attn, bias)  # loads the kernels before compiling
     compiled = torch.compile(scores, fullgraph=True)
     a, b = attn.clone().requires_grad_(), bias.clone().requires_grad_()
     ar, br = attn.double().requires_grad_(), bias.double().requires_grad_()

@@ -26,8 +26,7 @@ Conventions (shared by kernels and references):
   one greedy loop over all classes selects them.
 
 torch.compile: the ops have fake kernels with a data-dependent output size, so fullgraph=True works
-once the kernels are loaded (one eager call) and with
-`torch._dynamo.config.capture_dynamic_output_shape_ops = True`, as for torchvision.ops.nms.
+with `torch._dynamo.config.capture_dynamic_output_shape_ops = True`, as for torchvision.ops.nms.
 The CUDA soft-NMS is one thread block looping over selections: fine up to tens of thousands of
 boxes, not meant for millions.
 """
