@@ -41,7 +41,7 @@ def toolkit_include() -> Path:
 
 def flags(name: str) -> list[str]:
     import torch
-    from torch.utils.cpp_extension import include_paths
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
 
     site = Path(torch.__file__).resolve().parents[1]
     # nvcc's own toolkit headers first: the nvidia-* wheels of torch's CUDA 12.8 build carry an
@@ -54,7 +54,9 @@ def flags(name: str) -> list[str]:
         if headers and not any((toolkit / h).exists() for h in headers):
             incs.append(wheel_inc)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return (["-std=c++17", "-O3", ARCH, "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
+    # COMMON_NVCC_FLAGS are the flags every cpp_extension build passes (no implicit half/bfloat16
+    # conversions or operators): without them code that the JIT build rejects would pass here.
+    return (["-std=c++17", "-O3", ARCH, "-Xcompiler", "-fPIC"] + COMMON_NVCC_FLAGS + [
              f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={name}", "-DWITH_CUDA",
              "-DTORCH_API_INCLUDE_EXTENSION_H"]
             + [f"-I{i}" for i in incs])
