@@ -18,24 +18,30 @@ per call from the inputs' device -- and runs it plainly under eval() or torch.no
 Calling auto_checkpoint again re-plans without wrapping twice.
 
 Memory budget (bytes of saved activations of one training forward). Which blocks to checkpoint is
-decided by dry runs of the forward: one with every block checkpointed (the least memory), one with
-all but one (the cost of one plain block), then the plan -- the first blocks checkpointed, the rest
-plain -- is checked by a third run and tightened if it does not fit. Bytes are counted with
-torch.autograd.graph.saved_tensors_hooks (distinct storages saved for backward, parameters and
-buffers excluded, plus the inputs a checkpointed block keeps for its recomputation); on CUDA they are
-the peak of torch.cuda.max_memory_allocated over the forward, above what was allocated before.
+decided by dry runs of the forward (forwards only: no backward, no optimizer): a discarded warm-up,
+one with every block checkpointed (the least memory), one with all but one (the cost of one plain
+block), then the plan -- the first blocks checkpointed, the rest plain -- is checked by a further run
+and tightened if it does not fit. Bytes are counted with torch.autograd.graph.saved_tensors_hooks
+(distinct storages saved for backward, parameters and buffers excluded, plus the inputs a
+checkpointed block keeps for its recomputation); on CUDA they are the peak of
+torch.cuda.max_memory_allocated over the forward, above what was allocated before (this resets the
+device's peak-memory statistic).
 The dry runs need inputs:
   * pass `example_inputs` (a tuple of positional arguments or a dict of keyword arguments, shaped
     like a real batch) and the plan is made inside auto_checkpoint, or
   * pass none, and the plan is made at the first training forward, on that batch, just before it
-    runs. Dry runs restore the RNG state (CPU and CUDA) and every buffer (e.g. BatchNorm running
-    statistics), so the real step sees exactly what it would have seen without them.
+    runs.
+Dry runs leave parameters and their .grad alone and restore the modules' modes, the RNG state (CPU,
+and every CUDA device of the model and inputs) and every buffer (e.g. BatchNorm running statistics),
+so the real step sees exactly what it would have seen without them. Other state a forward changes
+(Python attributes, forward hooks' side effects, user-held torch.Generator objects) is not restored.
 Until a budget plan is made no block is checkpointed. `checkpoint_plan(model)` reports the plan.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import types
 import warnings
 from collections import defaultdict
@@ -44,6 +50,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from accel.utils.batch import iter_tensors
 
 __all__ = ["auto_checkpoint", "remove_checkpoint", "checkpoint_plan", "find_repeated_blocks",
            "activation_bytes", "CheckpointPlan"]
@@ -60,8 +68,9 @@ class CheckpointPlan:
     checkpointed: list[str]                # the blocks that run under checkpointing
     memory_budget: int | None = None
     pending: bool = False                  # budget given, waiting for the first training forward
-    measured: dict[str, int] = field(default_factory=dict)  # dry-run bytes: all, one_plain, chosen, none
+    measured: dict[str, int] = field(default_factory=dict)  # dry-run bytes: all, one_plain, per_block, chosen
     _hook: Any = field(default=None, repr=False, compare=False)
+    _planning: bool = field(default=False, repr=False, compare=False)
 
 
 def checkpoint_plan(model: nn.Module) -> CheckpointPlan | None:
@@ -225,23 +234,48 @@ def _call(model, inputs):
 def activation_bytes(model: nn.Module, example_inputs) -> int:
     """Saved-activation bytes of one training forward of `model` on `example_inputs`, as it is now
     configured (checkpointed or not). CUDA: peak allocated bytes over the forward above the
-    starting point; elsewhere: saved-tensor hooks. The model's mode, buffers and RNG are restored."""
+    starting point; elsewhere: saved-tensor hooks. The model's modes, buffers and RNG are restored."""
     inputs = _normalize_inputs(example_inputs)
     with _preserved_state(model, inputs):
+        _measure(model, inputs)  # warm-up, see _plan_budget
         return _measure(model, inputs)
 
 
+def _dry_run_device(model: nn.Module, inputs) -> torch.device | None:
+    """Where the forward runs: the device of the first input tensor (nested ones included), else of
+    the model's first parameter or buffer."""
+    for t in iter_tensors(inputs):
+        return t.device
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        return t.device
+    return None
+
+
 def _measure(model: nn.Module, inputs) -> int:
-    device = next((t.device for t in _tensors(*inputs)), None)
+    device = _dry_run_device(model, inputs)
     if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        out = _call(model, inputs)
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - start
-        del out
-        return int(peak)
+        return _cuda_peak_bytes(model, inputs, device)
+    return _saved_tensor_bytes(model, inputs)
+
+
+def _cuda_peak_bytes(model: nn.Module, inputs, device: torch.device) -> int:
+    """Peak bytes allocated on `device` during one forward, above what was allocated before it.
+
+    The caching allocator counts allocations on the host as they are made, so the numbers do not wait
+    for the kernels; the synchronisations only make a failing kernel fail here rather than later. The
+    peak statistic is device-wide: this resets it, and the caller's own peak reading is lost.
+    """
+    torch.cuda.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)  # the peak is now `start`, so the difference is >= 0
+    out = _call(model, inputs)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del out  # the output and everything saved for backward are freed with it
+    return int(peak - start)
+
+
+def _saved_tensor_bytes(model: nn.Module, inputs) -> int:
     meter = _Meter(model)
     _Meter.active = meter
     try:
@@ -265,22 +299,33 @@ def _normalize_inputs(example_inputs) -> tuple[tuple, dict]:
                      f"arguments or a tensor, got {type(example_inputs).__name__}")
 
 
+def _cuda_devices(model: nn.Module, inputs) -> list[int]:
+    tensors = itertools.chain(iter_tensors(inputs), model.parameters(), model.buffers())
+    return sorted({t.device.index for t in tensors if t.device.type == "cuda"})
+
+
 @contextlib.contextmanager
 def _preserved_state(model: nn.Module, inputs):
-    """Training mode and grad on for the dry run; afterwards the modes, every buffer and the RNG
-    (CPU, and CUDA devices the inputs live on) are as they were."""
+    """Grad on for the dry runs, and training mode unless the model is already training (then each
+    submodule keeps its own mode, e.g. a frozen BatchNorm in eval). Afterwards the modes, every buffer
+    (value and object: BatchNorm running statistics, num_batches_tracked) and the RNG (CPU, and every
+    CUDA device the model or the inputs live on) are as they were. Parameters, their .grad and any
+    optimizer are not touched at all: the dry runs are forwards only, and no backward is run."""
     modes = {m: m.training for m in model.modules()}
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    cuda = sorted({t.device.index or 0 for t in _tensors(*inputs) if t.device.type == "cuda"})
+    buffers = [(module, name, b, b.detach().clone())
+               for module in model.modules() for name, b in module.named_buffers(recurse=False)]
     try:
-        with torch.random.fork_rng(devices=cuda), torch.enable_grad():
-            model.train()
+        with torch.random.fork_rng(devices=_cuda_devices(model, inputs)), torch.enable_grad():
+            if not model.training:
+                model.train()
             yield
     finally:
         for m, mode in modes.items():
             m.training = mode
         with torch.no_grad():
-            for b, saved in buffers:
+            for module, name, b, saved in buffers:
+                if getattr(module, name) is not b:  # a forward replaced the buffer instead of updating it
+                    setattr(module, name, b)
                 b.copy_(saved)
 
 
@@ -288,44 +333,63 @@ def _preserved_state(model: nn.Module, inputs):
 # planning under a budget
 
 def _plan_budget(model: nn.Module, plan: CheckpointPlan, inputs) -> None:
+    """Choose plan.checkpointed by dry runs. If a dry run fails (e.g. out of memory), the blocks are
+    left as the plan was before and the error is raised."""
+    try:
+        with _preserved_state(model, inputs):
+            chosen, measured = _search(model, plan, inputs)
+    except BaseException:
+        _set_checkpointed(model, plan, plan.checkpointed)
+        raise
+    plan.checkpointed = list(chosen)
+    plan.measured = measured
+    plan.pending = False
+    if measured["chosen"] > plan.memory_budget:
+        warnings.warn(f"auto_checkpoint: memory_budget={plan.memory_budget} bytes cannot be met; with every "
+                      f"block checkpointed one forward still saves {measured['chosen']} bytes", stacklevel=3)
+
+
+def _search(model: nn.Module, plan: CheckpointPlan, inputs) -> tuple[list[str], dict[str, int]]:
     n = len(plan.blocks)
     budget = plan.memory_budget
-    with _preserved_state(model, inputs):
-        _set_checkpointed(model, plan, plan.blocks)
-        all_ckpt = _measure(model, inputs)
-        _set_checkpointed(model, plan, plan.blocks[1:])
-        one_plain = _measure(model, inputs)
-        per_block = max(one_plain - all_ckpt, 0)
-        # keep the last `plain` blocks uncheckpointed: bytes ~ all_ckpt + plain * per_block
-        if budget < all_ckpt:
-            plain = 0
-        elif per_block == 0:
-            plain = n
-        else:
-            plain = min(n, (budget - all_ckpt) // per_block)
-        while True:
-            chosen = plan.blocks[:n - plain]
-            _set_checkpointed(model, plan, chosen)
-            measured = _measure(model, inputs)
-            if measured <= budget or plain == 0:
-                break
-            plain -= 1  # blocks differ a little (first/last): tighten until it fits
-    plan.checkpointed = list(chosen)
-    plan.measured = {"all": all_ckpt, "one_plain": one_plain, "per_block": per_block, "chosen": measured}
-    plan.pending = False
-    if measured > budget:
-        warnings.warn(f"auto_checkpoint: memory_budget={budget} bytes cannot be met; with every block "
-                      f"checkpointed one forward still saves {measured} bytes", stacklevel=3)
+    _set_checkpointed(model, plan, plan.blocks)
+    # A discarded first run: one-time allocations (the cuBLAS workspace, lazily built caches) would
+    # otherwise be charged to the all-checkpointed run only, and shrink the per-block estimate.
+    _measure(model, inputs)
+    all_ckpt = _measure(model, inputs)
+    _set_checkpointed(model, plan, plan.blocks[1:])
+    one_plain = _measure(model, inputs)
+    per_block = max(one_plain - all_ckpt, 0)
+    # keep the last `plain` blocks uncheckpointed: bytes ~ all_ckpt + plain * per_block
+    if budget < all_ckpt:
+        plain = 0
+    elif per_block == 0:
+        plain = n
+    else:
+        plain = min(n, (budget - all_ckpt) // per_block)
+    while True:
+        chosen = plan.blocks[:n - plain]
+        _set_checkpointed(model, plan, chosen)
+        measured = all_ckpt if plain == 0 else _measure(model, inputs)
+        if measured <= budget or plain == 0:
+            break
+        plain -= 1  # blocks differ a little (first/last): tighten until it fits
+    return chosen, {"all": all_ckpt, "one_plain": one_plain, "per_block": per_block, "chosen": measured}
 
 
 def _lazy_plan_hook(model: nn.Module, args, kwargs):
     plan = checkpoint_plan(model)
-    if plan is None or not plan.pending or not (model.training and torch.is_grad_enabled()):
-        return None
+    if (plan is None or not plan.pending or plan._planning
+            or not (model.training and torch.is_grad_enabled())):
+        return None  # also while planning: the dry runs call the model, and with it this hook
+    plan._planning = True
+    try:
+        _plan_budget(model, plan, (tuple(args), dict(kwargs)))
+    finally:
+        plan._planning = False
     if plan._hook is not None:
         plan._hook.remove()
         plan._hook = None
-    _plan_budget(model, plan, (tuple(args), dict(kwargs)))
     return None
 
 

@@ -1,6 +1,7 @@
 """accel.auto_checkpoint against the unwrapped model: same outputs, gradients, state_dict keys;
 fewer saved activations (checked against hand-counted bytes); budget plans; undo; XLA."""
 import copy
+import functools
 import io
 import os
 import subprocess
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 import accel
+import accel.checkpoint as checkpoint_module
 from accel.checkpoint import (activation_bytes, auto_checkpoint, checkpoint_plan, find_repeated_blocks,
                               remove_checkpoint)
 from accel.utils.xla import xla_available
@@ -303,3 +305,208 @@ def test_xla_uses_xla_checkpoint_and_matches_cpu():
     proc = subprocess.run([sys.executable, "-c", _XLA_SCRIPT], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "xla-ok" in proc.stdout, proc.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- the budget search, measurement substituted
+
+class _FakeMeasure:
+    """Stands in for the dry-run measurement: bytes = base + the costs of the blocks that run plain,
+    plus a one-time `first_extra` on the first call (what cuBLAS's workspace does to the first CUDA run).
+    `fail_at`: the call that raises (an out-of-memory in a dry run)."""
+
+    def __init__(self, costs, base=1000, first_extra=0, fail_at=None):
+        self.costs, self.base, self.first_extra, self.fail_at = costs, base, first_extra, fail_at
+        self.calls = 0
+
+    def __call__(self, model, inputs):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise torch.OutOfMemoryError("dry run out of memory")
+        plain = [c for blk, c in zip(model, self.costs) if not blk.__dict__["_accel_ckpt_on"]]
+        return self.base + sum(plain) + (self.first_extra if self.calls == 1 else 0)
+
+
+def _plain_suffix(model):
+    return [not blk.__dict__["_accel_ckpt_on"] for blk in model]
+
+
+@pytest.mark.parametrize("plain", [0, 1, 3, N])
+def test_budget_search_picks_the_most_plain_blocks_that_fit_with_four_dry_runs(monkeypatch, plain):
+    # A large one-time cost on the first run must not leak into the per-block estimate: the warm-up
+    # run absorbs it, so the estimate is exact and one check run confirms it.
+    fake = _FakeMeasure([100] * N, first_extra=250)
+    monkeypatch.setattr(checkpoint_module, "_measure", fake)
+    budget = 1000 + 100 * plain + 99
+    model = auto_checkpoint(mlp(), memory_budget=budget, example_inputs=torch.randn(B, D))
+    plan = checkpoint_plan(model)
+    assert plan.checkpointed == [str(i) for i in range(N - plain)]
+    assert _plain_suffix(model) == [False] * (N - plain) + [True] * plain
+    assert plan.measured == {"all": 1000, "one_plain": 1100, "per_block": 100, "chosen": 1000 + 100 * plain}
+    assert fake.calls == (3 if plain == 0 else 4)  # warm-up, all, one plain, (check of the plan)
+
+
+def test_budget_search_tightens_when_later_blocks_cost_more(monkeypatch):
+    fake = _FakeMeasure([10, 10, 10, 20, 20])
+    monkeypatch.setattr(checkpoint_module, "_measure", fake)
+    model = auto_checkpoint(mlp(), memory_budget=1045, example_inputs=torch.randn(B, D))
+    # the estimate (10 per block) allows 4 plain blocks; they cost 60, then 3 cost 50, then 2 cost 40
+    assert checkpoint_plan(model).checkpointed == ["0", "1", "2"]
+    assert checkpoint_plan(model).measured["chosen"] == 1040
+
+
+def test_budget_dry_run_failure_leaves_blocks_as_planned_and_planning_retries(monkeypatch):
+    x = torch.randn(B, D)
+    fake = _FakeMeasure([100] * N, fail_at=3)
+    monkeypatch.setattr(checkpoint_module, "_measure", fake)
+    model = auto_checkpoint(mlp(norm=True), memory_budget=1250)
+    state = copy.deepcopy(model.state_dict())
+    rng = torch.get_rng_state()
+    with pytest.raises(torch.OutOfMemoryError):
+        model(x)  # the lazy plan runs, and its third dry run fails
+    plan = checkpoint_plan(model)
+    assert plan.pending and plan.checkpointed == [] and _plain_suffix(model) == [True] * N
+    assert torch.equal(torch.get_rng_state(), rng)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
+    model(x)  # the next training forward plans again
+    assert not plan.pending and plan.checkpointed == ["0", "1", "2"]
+
+
+# --------------------------------------------------------------------------- the CUDA measurement, allocator substituted
+
+class _FakeAllocator:
+    """torch.cuda's memory statistics as the caching allocator keeps them, with a call log."""
+
+    def __init__(self, monkeypatch, allocated, peak):
+        self.allocated, self.peak, self.log = allocated, peak, []
+        for name in ("synchronize", "memory_allocated", "reset_peak_memory_stats", "max_memory_allocated"):
+            monkeypatch.setattr(torch.cuda, name, functools.partial(self._call, name))
+
+    def _call(self, name, device=None):
+        self.log.append((name, device))
+        if name == "memory_allocated":
+            return self.allocated
+        if name == "max_memory_allocated":
+            return self.peak
+        if name == "reset_peak_memory_stats":
+            self.peak = self.allocated
+        return None
+
+    def alloc(self, nbytes):
+        self.allocated += nbytes
+        self.peak = max(self.peak, self.allocated)
+        self.log.append(("alloc", nbytes))
+
+
+class _Allocating(nn.Module):
+    def __init__(self, allocator, sizes):
+        super().__init__()
+        self.allocator, self.sizes = allocator, sizes
+
+    def forward(self, x):
+        for size in self.sizes:
+            self.allocator.alloc(size)
+        return x
+
+
+def test_cuda_peak_is_measured_from_a_reset_peak_above_the_baseline(monkeypatch):
+    # 1000 bytes live before the forward and an older peak of 5000 that is not the forward's
+    allocator = _FakeAllocator(monkeypatch, allocated=1000, peak=5000)
+    device = torch.device("cuda", 1)
+    model = _Allocating(allocator, [300, -100, 50])
+    assert checkpoint_module._cuda_peak_bytes(model, ((torch.zeros(1),), {}), device) == 300
+    assert allocator.log == [("synchronize", device), ("memory_allocated", device),
+                             ("reset_peak_memory_stats", device), ("alloc", 300), ("alloc", -100),
+                             ("alloc", 50), ("synchronize", device), ("max_memory_allocated", device)]
+
+
+def test_dry_run_device_looks_into_nested_inputs_then_the_model():
+    model = mlp(n=2)
+    meta = torch.zeros(1, device="meta")
+    assert checkpoint_module._dry_run_device(model, ((), {"batch": {"ids": [meta]}})) == meta.device
+    assert checkpoint_module._dry_run_device(model, (("text",), {})) == torch.device("cpu")
+    assert checkpoint_module._dry_run_device(nn.Sequential(nn.ReLU(), nn.ReLU()), ((), {})) is None
+
+
+# --------------------------------------------------------------------------- what the dry runs must not change
+
+class _Counter(nn.Module):
+    """Replaces its buffer in forward (rather than updating it in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen = self.seen + 1
+        return x
+
+
+def test_budget_dry_runs_leave_parameters_grads_buffers_modes_optimizer_and_rng_alone():
+    model = nn.Sequential(_Counter(), *mlp(dropout=0.3, norm=True))
+    x = torch.randn(B, D)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(x).sum().backward()
+    optimizer.step()  # grads, optimizer state and BatchNorm statistics that are not the initial ones
+    model[2].norm.eval()  # a frozen BatchNorm inside a training model keeps its mode in the dry runs
+    modes_in_dry_runs = []
+    model[2].norm.register_forward_pre_hook(lambda m, _: modes_in_dry_runs.append(m.training))
+    counter_buffer = model[0].seen
+    before = copy.deepcopy({"state": model.state_dict(), "optim": optimizer.state_dict(),
+                            "grads": {n: p.grad for n, p in model.named_parameters()},
+                            "modes": [m.training for m in model.modules()]})
+    grad_objects = [p.grad for p in model.parameters()]
+    rng = torch.get_rng_state()
+
+    auto_checkpoint(model, memory_budget=int(0.6 * activation_bytes(model, (x,))), example_inputs=(x,))
+
+    plan = checkpoint_plan(model)
+    assert 0 < len(plan.checkpointed) < N and len(modes_in_dry_runs) >= 5  # the dry runs did run
+    assert modes_in_dry_runs == [False] * len(modes_in_dry_runs)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model[0].seen is counter_buffer and float(counter_buffer) == float(before["state"]["0.seen"])
+    for name, value in model.state_dict().items():  # parameters and every buffer, num_batches_tracked too
+        torch.testing.assert_close(value, before["state"][name], rtol=0, atol=0, msg=name)
+    assert [p.grad for p in model.parameters()] == grad_objects
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, before["grads"][name], rtol=0, atol=0, msg=name)
+    assert [m.training for m in model.modules()] == before["modes"]
+    after_optim = optimizer.state_dict()
+    for i, state in before["optim"]["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(after_optim["state"][i][key], value, rtol=0, atol=0)
+
+
+def test_dry_runs_of_a_model_in_eval_mode_run_it_in_training_mode_and_restore_eval():
+    model = mlp(norm=True).eval()
+    x = torch.randn(B, D)
+    means = [blk.norm.running_mean.clone() for blk in model]
+    train_bytes = activation_bytes(model, (x,))
+    # In training mode BatchNorm also saves its input and the batch mean and inverse std (H each); in
+    # eval mode it would save no batch statistics.
+    assert train_bytes == N * (B * D + 3 * B * H + 2 * H) * F32
+    assert not any(m.training for m in model.modules())
+    for blk, mean in zip(model, means):
+        assert torch.equal(blk.norm.running_mean, mean)
+
+
+# --------------------------------------------------------------------------- CUDA (real)
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_budget_plan_restores_cuda_rng_and_fits():
+    device = torch.device("cuda")
+    model = mlp(dropout=0.2, norm=True).to(device)
+    x = torch.randn(64, D, device=device)
+    plain_bytes = activation_bytes(model, (x,))
+    full = activation_bytes(auto_checkpoint(copy.deepcopy(model)), (x,))
+    assert 0 < full < plain_bytes
+    cuda_rng, cpu_rng = torch.cuda.get_rng_state(device), torch.get_rng_state()
+    stats = copy.deepcopy(model.state_dict())
+    budget = (full + plain_bytes) // 2
+    auto_checkpoint(model, memory_budget=budget, example_inputs=(x,))
+    plan = checkpoint_plan(model)
+    assert plan.measured["per_block"] > 0 and plan.measured["chosen"] <= budget
+    assert 0 < len(plan.checkpointed) < N
+    assert torch.equal(torch.cuda.get_rng_state(device), cuda_rng) and torch.equal(torch.get_rng_state(), cpu_rng)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, stats[name], rtol=0, atol=0, msg=name)

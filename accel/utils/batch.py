@@ -2,17 +2,26 @@
 
 Shared by accel.data.MpDeviceLoader and accel.runtime.io.Prefetcher, which both copy host batches to a
 device ahead of use. The CUDA helpers copy on a side stream from pinned memory and let the consumer
-wait for that copy; the rules they follow are the caching allocator's: a tensor allocated on the side
-stream and used on another one must be record_stream()-ed there, or its memory may be handed to the next
-copy while the training step still reads it.
+wait for that copy. The rules they follow:
+- the copy reads page-locked memory (pin_batch), or non_blocking would silently be a synchronous copy;
+- the consumer stream waits on an event recorded on the side stream after the copies (wait_and_claim),
+  and only after that event was recorded (a never-recorded event is not waited for at all);
+- a tensor allocated on the side stream and used on another one is record_stream()-ed there, or the
+  caching allocator may hand its memory to the next copy while the training step still reads it.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
+# The CUDA primitives of the side-stream copy are looked up as names of this module, so that the order of
+# the calls can be checked on machines without a GPU. All of them import without CUDA.
+from torch.cuda import Event, Stream, current_stream
+from torch.cuda import device as cuda_device
+from torch.cuda import stream as use_stream
 
 from accel.utils.xla import is_xla_device, require_xla, xla_available
 
@@ -24,8 +33,9 @@ def _is_namedtuple(obj) -> bool:
 def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor], fallback_to=None) -> Any:
     """Rebuild `batch` with fn applied to each tensor, keeping every container's type.
 
-    Mappings are copied (copy.copy, so dict subclasses and UserDict-based classes such as transformers'
-    BatchEncoding keep their type and extra attributes) and their values replaced. Other objects that
+    Mappings and dataclass instances are copied (copy.copy, so dict subclasses and UserDict-based classes
+    such as transformers' BatchEncoding keep their type and extra attributes) and their values replaced;
+    lists, tuples and namedtuples are rebuilt with their own type. Other objects that
     expose .to() are moved with `fallback_to(obj)` when given, and passed through otherwise; plain Python
     values (ints, strings, None) are passed through unchanged.
     """
@@ -43,6 +53,13 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor], fallback
         return type(batch)(*(map_tensors(v, fn, fallback_to) for v in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(map_tensors(v, fn, fallback_to) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        # A copy with its fields replaced: __init__/__post_init__ are not run again, and frozen
+        # dataclasses are filled the way their own __init__ does it.
+        out = copy.copy(batch)
+        for f in dataclasses.fields(batch):
+            object.__setattr__(out, f.name, map_tensors(getattr(batch, f.name), fn, fallback_to))
+        return out
     if fallback_to is not None and callable(getattr(batch, "to", None)):
         return fallback_to(batch)
     return batch
@@ -101,8 +118,18 @@ def move_to_device(batch: Any, device, non_blocking: bool = False) -> Any:
     )
 
 
+def copy_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One tensor's copy to `device`, queued on the current stream of `device` without waiting for it."""
+    return t.to(device, non_blocking=True)
+
+
 def pin_batch(batch: Any) -> Any:
-    """Page-locked copies of the host tensors of a batch (already pinned ones are kept as they are)."""
+    """Page-locked copies of the host tensors of a batch (already pinned ones are kept as they are).
+
+    Only page-locked memory lets a non_blocking copy run asynchronously; the CUDA host allocator keeps a
+    pinned block from reuse until the copies that read it have finished, so the pinned tensors returned
+    here may be dropped as soon as their copies are queued.
+    """
 
     def pin(t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cpu" or t.is_pinned():
@@ -112,37 +139,68 @@ def pin_batch(batch: Any) -> Any:
     return map_tensors(batch, pin)
 
 
-def cuda_copy_on_stream(batch: Any, device: torch.device, stream, preprocess_fn=None):
-    """Start the host-to-device copy of a (pinned) batch on `stream`; return (device_batch, ready_event).
+def cuda_copy_on_stream(batch: Any, device: torch.device, stream) -> tuple[Any, Any]:
+    """Queue the copies of a (pinned) batch's tensors to `device` on `stream`; return (device_batch, ready).
 
-    The copy is asynchronous: nothing here waits for it. preprocess_fn, when given, also runs on the side
-    stream so its kernels queue behind the copy and overlap the training step. The consumer must call
-    `wait_and_claim` before touching the result.
+    Nothing here waits for the copies: `ready` is an event recorded on `stream` after the last of them,
+    and the consumer must hand both to `wait_and_claim` before touching the batch. Objects that are not
+    tensors but have .to() are left for wait_and_claim: their tensors cannot be seen, so they could not be
+    record_stream()-ed if they were allocated here.
     """
-    if any(t.is_cuda for t in iter_tensors(batch)):
-        # Inputs already on the GPU were written by work queued on the current stream; the side stream
-        # must not read them before that work is done. (Host inputs need no such wait, which is what
-        # lets the copy overlap the step.)
-        stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        moved = move_to_device(batch, device, non_blocking=True)
-        if preprocess_fn is not None:
-            moved = preprocess_fn(moved)
-        ready = torch.cuda.Event()
+    device = torch.device(device)
+    with cuda_device(device):
+        for source in sorted({t.device.index for t in iter_tensors(batch) if t.device.type == "cuda"}):
+            # Inputs already on a GPU were written by a loader running in a background thread, i.e. on that
+            # thread's current stream of their device: the default stream, unless the loader switched streams
+            # itself (and then synchronised them itself). The side stream must not read them before that
+            # work is done. Host inputs need no such wait, which is what lets the copy overlap the step.
+            stream.wait_stream(current_stream(torch.device("cuda", source)))
+        with use_stream(stream):
+            moved = map_tensors(batch, lambda t: copy_async(t, device))
+        ready = Event()
         ready.record(stream)
     return moved, ready
 
 
 def wait_and_claim(batch: Any, ready_event, device: torch.device) -> Any:
-    """Make the current CUDA stream wait for a side-stream copy and take ownership of its tensors."""
-    current = torch.cuda.current_stream(device)
-    current.wait_event(ready_event)
+    """Make the current stream of `device` wait for a side-stream copy and take ownership of its tensors.
+
+    Call in the thread that will use the batch, with the stream it will use current, and only after
+    cuda_copy_on_stream has returned (an event that was never recorded is not waited for).
+    """
+    device = torch.device(device)
+    consumer = current_stream(device)
+    consumer.wait_event(ready_event)
     for t in iter_tensors(batch):
-        if t.is_cuda:
-            # The memory was allocated on the side stream; without this the allocator could give it to
-            # the next prefetch while kernels on the current stream still read it.
-            t.record_stream(current)
-    return batch
+        # Every tensor came out of cuda_copy_on_stream, so its memory belongs to the side stream (or, for
+        # an input that was already on `device`, to the loader's stream). Without this the allocator could
+        # give that memory to the next prefetch while kernels on the consumer stream still read it.
+        t.record_stream(consumer)
+    # The objects cuda_copy_on_stream left alone are moved now, in order on the consumer stream.
+    return map_tensors(batch, lambda t: t, fallback_to=_object_to(device, False))
+
+
+class SideStreamCopy:
+    """Host-to-GPU copies on a side stream, in three steps:
+
+    pin (background thread) -> start (background thread; queues the copy) -> claim (training thread).
+    Every step runs with `device` current, so the background thread never touches another GPU.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.stream = Stream(device=self.device)
+
+    def pin(self, batch: Any) -> Any:
+        with cuda_device(self.device):
+            return pin_batch(batch)
+
+    def start(self, host_batch: Any) -> tuple[Any, Any]:
+        return cuda_copy_on_stream(host_batch, self.device, self.stream)
+
+    def claim(self, started: tuple[Any, Any]) -> Any:
+        moved, ready = started
+        return wait_and_claim(moved, ready, self.device)
 
 
 def resolve_device(device) -> torch.device:

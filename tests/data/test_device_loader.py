@@ -1,18 +1,17 @@
 """MpDeviceLoader: every batch once, in order, on the device; errors, early exit, epochs, XLA steps."""
-import collections
+import dataclasses
 import gc
 import threading
 import traceback
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import accel.data.device_loader as device_loader_module
 from accel.data import MpDeviceLoader
 from accel.utils.xla import xla_available
-
-Pair = collections.namedtuple("Pair", "x y")
+from tests._datasets import BrokenSample, Numbers, Pair
 
 
 def _loader_threads():
@@ -25,23 +24,8 @@ def _wait_for_no_loader_threads():
     return _loader_threads()
 
 
-class _Numbers(Dataset):
-    def __init__(self, n, fail_at=None, on_get=None):
-        self.n, self.fail_at, self.on_get = n, fail_at, on_get
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        if self.on_get is not None:
-            self.on_get(i)
-        if i == self.fail_at:
-            raise KeyError(f"broken sample {i}")
-        return {"x": torch.tensor([float(i)]), "y": Pair(torch.tensor(i), [torch.tensor(-i)])}
-
-
 def test_every_batch_once_in_order_with_container_types():
-    loader = DataLoader(_Numbers(10), batch_size=3)
+    loader = DataLoader(Numbers(10), batch_size=3)
     device_loader = MpDeviceLoader(loader, "cpu")
     assert len(device_loader) == 4
     got = list(device_loader)
@@ -53,8 +37,31 @@ def test_every_batch_once_in_order_with_container_types():
     assert _wait_for_no_loader_threads() == []
 
 
+@dataclasses.dataclass(frozen=True)
+class _Features:
+    pixels: torch.Tensor
+    boxes: list
+    source: str
+
+
+def test_nested_containers_and_dataclasses_are_moved_with_their_types():
+    # "meta" is a device other than the host's, so every tensor visibly moves (and nothing is computed).
+    batches = [{"features": _Features(torch.ones(2, 2) * k, [torch.zeros(3), Pair(torch.tensor(k), 5)], "cam"),
+                "ids": (torch.arange(3), "text")} for k in range(2)]
+    got = list(MpDeviceLoader(batches, "meta"))
+    assert len(got) == 2
+    for batch in got:
+        features = batch["features"]
+        assert type(features) is _Features and features.source == "cam" and batch["ids"][1] == "text"
+        assert type(features.boxes) is list and type(features.boxes[1]) is Pair and features.boxes[1].y == 5
+        assert [t.device.type for t in (features.pixels, features.boxes[0], features.boxes[1].x, batch["ids"][0])] \
+            == ["meta"] * 4
+        assert features.pixels.shape == (2, 2) and batch["ids"][0].dtype == torch.int64
+    assert batches[0]["features"].pixels.device.type == "cpu"  # the loader's own batch is left alone
+
+
 def test_dataset_and_loader_pass_through():
-    loader = DataLoader(_Numbers(7), batch_size=2)
+    loader = DataLoader(Numbers(7), batch_size=2)
     device_loader = MpDeviceLoader(loader, torch.device("cpu"))
     assert device_loader.loader is loader
     assert len(device_loader.dataset) == 7
@@ -71,7 +78,7 @@ def test_batch_encoding_keeps_its_type():
 
 def test_reads_ahead_of_the_training_loop():
     second_read = threading.Event()
-    dataset = _Numbers(4, on_get=lambda i: second_read.set() if i == 1 else None)
+    dataset = Numbers(4, on_get=lambda i: second_read.set() if i == 1 else None)
     iterator = iter(MpDeviceLoader(DataLoader(dataset, batch_size=1), "cpu"))
     next(iterator)
     # The loop has not asked for batch 1 yet; the background thread reads it anyway.
@@ -80,9 +87,9 @@ def test_reads_ahead_of_the_training_loop():
 
 
 def test_loader_exception_reraised_with_type_and_traceback():
-    device_loader = MpDeviceLoader(DataLoader(_Numbers(6, fail_at=4), batch_size=2), "cpu")
+    device_loader = MpDeviceLoader(DataLoader(Numbers(6, fail_at=4), batch_size=2), "cpu")
     seen = []
-    with pytest.raises(KeyError, match="broken sample 4") as info:
+    with pytest.raises(BrokenSample, match="broken sample 4") as info:
         for batch in device_loader:
             seen.append(batch["x"])
     assert len(seen) == 2  # the batches before the broken one were delivered
@@ -92,7 +99,7 @@ def test_loader_exception_reraised_with_type_and_traceback():
 
 
 def test_early_break_stops_threads_and_new_epoch_restarts():
-    device_loader = MpDeviceLoader(DataLoader(_Numbers(50), batch_size=1), "cpu",
+    device_loader = MpDeviceLoader(DataLoader(Numbers(50), batch_size=1), "cpu",
                                    loader_prefetch_size=2, device_prefetch_size=1)
     for step, _ in enumerate(device_loader):
         if step == 2:
@@ -104,7 +111,7 @@ def test_early_break_stops_threads_and_new_epoch_restarts():
 
 
 def test_explicit_close_and_reiterating_closes_previous_pass():
-    device_loader = MpDeviceLoader(DataLoader(_Numbers(20), batch_size=1), "cpu", device_prefetch_size=1)
+    device_loader = MpDeviceLoader(DataLoader(Numbers(20), batch_size=1), "cpu", device_prefetch_size=1)
     first = iter(device_loader)
     next(first)
     second = iter(device_loader)  # like torch_xla: a new pass stops the old one
@@ -117,7 +124,7 @@ def test_explicit_close_and_reiterating_closes_previous_pass():
 
 
 def test_early_break_with_worker_processes_does_not_hang():
-    loader = DataLoader(_Numbers(40), batch_size=2, num_workers=1)
+    loader = DataLoader(Numbers(40), batch_size=2, num_workers=1)
     for step, _ in enumerate(MpDeviceLoader(loader, "cpu")):
         if step == 1:
             break

@@ -7,15 +7,19 @@
         optimizer.step()
         prefetcher.prefetch_GPU()                     # start copying it to the device
 
-How each device is served:
-- cuda: the next host batch is read and pinned in a background thread; its copy runs non_blocking on a
-  side stream, and preprocess_fn runs there too, so both overlap the step. Before a batch is handed out
-  the current stream waits for that copy, and every tensor is record_stream()-ed on the current stream
-  so the allocator does not reuse its memory for a later prefetch while the step still reads it.
-- xla: the upload runs in a background thread ahead of use; preprocess_fn runs in the training thread,
+How each device is served (one background thread reads, and starts copies, in loader order):
+- cuda: the background thread reads the next host batch, pins its tensors (those not pinned yet) and
+  queues their non_blocking copy on a side stream of the target device, then records an event after the
+  copy. When the loop takes the batch, its current stream waits for that event, every tensor is
+  record_stream()-ed on that stream (so the allocator does not give its memory to a later prefetch while
+  the step still reads it), and preprocess_fn runs in the training thread on that stream. Running it
+  there keeps its random draws in program order with the step's and needs no further stream bookkeeping;
+  its kernels are usually small next to a training step. See accel.utils.batch.SideStreamCopy.
+- xla: the upload runs in the background thread ahead of use; preprocess_fn runs in the training thread,
   which is the thread that traces the step's lazy graph. Marking the step stays with the training loop
   (xm.optimizer_step / torch_xla.sync), as on the guide's XLA path.
-- cpu: reading and preprocess_fn run in a background thread.
+- cpu: reading and preprocess_fn run in the background thread.
+preprocess_fn always runs under torch.no_grad().
 
 Without prefetch_CPU/prefetch_GPU calls the prefetcher keeps one batch ahead on its own. After the first
 call to either, it leaves the timing to the caller; a batch the caller did not request in time is read
@@ -29,7 +33,7 @@ from concurrent.futures import Future
 
 import torch
 
-from accel.utils.batch import cuda_copy_on_stream, move_to_device, pin_batch, resolve_device, wait_and_claim
+from accel.utils.batch import SideStreamCopy, move_to_device, resolve_device
 from accel.utils.xla import is_xla_device
 
 
@@ -93,14 +97,70 @@ class _Worker:
             thread.join(timeout_s)
 
 
+class _Transfer:
+    """What happens to a batch on its way to `device`: `host` and `to_device` run in the background
+    thread, `finish` in the training thread as the loop takes the batch."""
+
+    def __init__(self, device: torch.device, preprocess_fn):
+        self.device = device
+        self.preprocess_fn = preprocess_fn
+
+    def _preprocess(self, batch):
+        if self.preprocess_fn is None:
+            return batch
+        with torch.no_grad():
+            return self.preprocess_fn(batch)
+
+    def host(self, batch):
+        return batch
+
+    def to_device(self, batch):
+        with torch.no_grad():
+            return move_to_device(batch, self.device)
+
+    def finish(self, item):
+        # XLA: preprocess_fn is traced into the training thread's graph.
+        return self._preprocess(item)
+
+
+class _CpuTransfer(_Transfer):
+    def to_device(self, batch):
+        return self._preprocess(super().to_device(batch))
+
+    def finish(self, item):
+        return item
+
+
+class _CudaTransfer(_Transfer):
+    def __init__(self, device: torch.device, preprocess_fn):
+        super().__init__(device, preprocess_fn)
+        self.copier = SideStreamCopy(device)
+
+    def host(self, batch):
+        return self.copier.pin(batch)
+
+    def to_device(self, batch):
+        with torch.no_grad():
+            return self.copier.start(batch)
+
+    def finish(self, item):
+        return self._preprocess(self.copier.claim(item))
+
+
+def _transfer_for(device: torch.device, preprocess_fn) -> _Transfer:
+    if device.type == "cuda":
+        return _CudaTransfer(device, preprocess_fn)
+    if is_xla_device(device):
+        return _Transfer(device, preprocess_fn)
+    return _CpuTransfer(device, preprocess_fn)
+
+
 class _Epoch:
     """One pass over the loader. Holds no reference to the Prefetcher, so dropping that stops this."""
 
-    def __init__(self, loader, device: torch.device, preprocess_fn, side_stream):
+    def __init__(self, loader, transfer: _Transfer):
         self.loader = loader
-        self.device = device
-        self.preprocess_fn = preprocess_fn
-        self.side_stream = side_stream
+        self.transfer = transfer
         self.iterator = None
         self.fetch: Future | None = None
         self.copy: Future | None = None
@@ -114,20 +174,13 @@ class _Epoch:
             batch = next(self.iterator)
         except StopIteration:
             return _END
-        return pin_batch(batch) if self.side_stream is not None else batch
+        return self.transfer.host(batch)
 
     def _to_device(self, fetched: Future):
         host = fetched.result()  # already finished: the worker runs jobs in order; re-raises a read error
         if host is _END:
             return _END
-        with torch.no_grad():
-            if self.side_stream is not None:
-                moved, ready = cuda_copy_on_stream(host, self.device, self.side_stream, self.preprocess_fn)
-                return moved, ready
-            moved = move_to_device(host, self.device)
-            if self.preprocess_fn is not None and not is_xla_device(self.device):
-                moved = self.preprocess_fn(moved)
-            return moved
+        return self.transfer.to_device(host)
 
     def prefetch_cpu(self) -> None:
         if self.fetch is None:
@@ -158,8 +211,9 @@ class Prefetcher:
     """Iterate `data_loader` with each batch already on `device` (see the module docstring).
 
     Args:
-        data_loader: a DataLoader or any re-iterable of batches (tensors nested in dicts/lists/tuples or
-            objects with .to(); container types are kept).
+        data_loader: a DataLoader or any re-iterable of batches (tensors nested in dicts, lists, tuples,
+            namedtuples and dataclasses, or objects with .to(); container types and non-tensor values
+            are kept).
         preprocess_fn: optional callable applied to each batch after it is on the device; its return
             value is what the loop receives.
         device: target device; None means cuda if available, else cpu. Pass an XLA device for XLA.
@@ -172,9 +226,8 @@ class Prefetcher:
         if preprocess_fn is not None and not callable(preprocess_fn):
             raise ValueError(f"preprocess_fn must be callable or None, got {type(preprocess_fn).__name__}")
         self.data_loader = data_loader
-        self.preprocess_fn = preprocess_fn
         self.device = resolve_device(device)
-        self._side_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._transfer = _transfer_for(self.device, preprocess_fn)
         self._epoch: _Epoch | None = None
         self._caller_drives = False
 
@@ -182,12 +235,16 @@ class Prefetcher:
         return len(self.data_loader)
 
     @property
+    def preprocess_fn(self):
+        return self._transfer.preprocess_fn
+
+    @property
     def dataset(self):
         return self.data_loader.dataset
 
     def __iter__(self):
         self.close()
-        self._epoch = _Epoch(self.data_loader, self.device, self.preprocess_fn, self._side_stream)
+        self._epoch = _Epoch(self.data_loader, self._transfer)
         self._epoch.prefetch_device()  # the first batch is needed at once
         return self
 
@@ -203,13 +260,11 @@ class Prefetcher:
         if item is _END:
             self.close()
             raise StopIteration
-        if self._side_stream is not None:
-            moved, ready = item
-            batch = wait_and_claim(moved, ready, self.device)
-        else:
-            batch = item
-            if self.preprocess_fn is not None and is_xla_device(self.device):
-                batch = self.preprocess_fn(batch)
+        try:
+            batch = self._transfer.finish(item)
+        except BaseException:
+            self.close()
+            raise
         if not self._caller_drives:
             epoch.prefetch_device()
         return batch
