@@ -1,39 +1,27 @@
 // Non-maximum suppression on CPU: hard NMS (torchvision semantics) and soft-NMS (mmcv semantics,
 // optionally per class for batched soft-NMS).
 //
-// Geometry for both: boxes are (x1, y1, x2, y2), area = (x2 - x1) * (y2 - y1) with no +1, and
-// IoU = inter / ((area_a + area_b) - inter), evaluated in this exact order in float (double for
-// float64 inputs) so that results are bit-identical to torchvision's CPU nms and to the PyTorch
-// reference in accel/runtime/nn/nms.py. Half and bfloat16 inputs are computed in float.
+// Box geometry, the decay weights and the tie order come from csrc/nms_common.h, shared with
+// csrc/cuda/nms.cu: IoU = inter / ((area_a + area_b) - inter) with no +1, in float (double for
+// float64 inputs), so hard NMS is bit-identical to torchvision's CPU nms. Half and bfloat16
+// inputs are computed in float.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "nms_common.h"
+
 #include <algorithm>
-#include <cmath>
 #include <vector>
 
 namespace accel {
 namespace {
 
-// Method codes shared with the Python wrapper and csrc/cuda/nms.cu.
-constexpr int64_t kNaive = 0;
-constexpr int64_t kLinear = 1;
-constexpr int64_t kGaussian = 2;
+using namespace nms_common;
 
 // Below this many candidates the inner suppression loop is cheaper than waking the thread pool.
 constexpr int64_t kParallelSuppress = 8192;
-
-at::ScalarType math_type(const at::Tensor& t) {
-  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-void check_boxes_scores(const at::Tensor& boxes, const at::Tensor& scores, const char* op) {
-  TORCH_CHECK(boxes.dim() == 2 && boxes.size(1) == 4, op, ": boxes must be [N, 4], got ", boxes.sizes());
-  TORCH_CHECK(scores.dim() == 1 && scores.size(0) == boxes.size(0), op, ": scores must be [N] with N = ",
-              boxes.size(0), ", got ", scores.sizes());
-}
 
 // ---------------------------------------------------------------------------------------------
 // Hard NMS: visit boxes by decreasing score; a kept box suppresses every later box whose IoU with
@@ -44,10 +32,8 @@ at::Tensor nms_cpu(const at::Tensor& boxes_, const at::Tensor& scores_, double i
   const int64_t n = boxes_.size(0);
   if (n == 0) return at::empty({0}, boxes_.options().dtype(at::kLong));
 
-  // Stable, so boxes with equal scores are visited in input order.
-  const at::Tensor order = std::get<1>(scores_.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true));
-  // Gathering the boxes in visiting order makes the inner loop a linear scan.
-  const at::Tensor sorted = boxes_.index_select(0, order).to(math_type(boxes_)).contiguous();
+  const ByScore visit = by_score(boxes_, scores_);
+  const at::Tensor &order = visit.order, &sorted = visit.boxes;
   at::Tensor keep = at::empty({n}, boxes_.options().dtype(at::kLong));
   int64_t kept = 0;
 
@@ -59,7 +45,7 @@ at::Tensor nms_cpu(const at::Tensor& boxes_, const at::Tensor& scores_, double i
       y1[i] = b[4 * i + 1];
       x2[i] = b[4 * i + 2];
       y2[i] = b[4 * i + 3];
-      area[i] = (x2[i] - x1[i]) * (y2[i] - y1[i]);
+      area[i] = box_area(x1[i], y1[i], x2[i], y2[i]);
     }
     std::vector<uint8_t> suppressed(n, 0);
     const int64_t* ord = order.const_data_ptr<int64_t>();
@@ -73,11 +59,8 @@ at::Tensor nms_cpu(const at::Tensor& boxes_, const at::Tensor& scores_, double i
       auto suppress = [&](int64_t begin, int64_t end) {
         for (int64_t j = begin; j < end; ++j) {
           if (suppressed[j]) continue;
-          const scalar_t w = std::max(scalar_t(0), std::min(ix2, x2[j]) - std::max(ix1, x1[j]));
-          const scalar_t h = std::max(scalar_t(0), std::min(iy2, y2[j]) - std::max(iy1, y1[j]));
-          const scalar_t inter = w * h;
-          const scalar_t ovr = inter / (iarea + area[j] - inter);
-          if (static_cast<double>(ovr) > iou_threshold) suppressed[j] = 1;
+          const scalar_t inter = intersection(ix1, iy1, ix2, iy2, x1[j], y1[j], x2[j], y2[j]);
+          if (suppresses(inter, iarea, area[j], iou_threshold)) suppressed[j] = 1;
         }
       };
       if (n - i - 1 >= kParallelSuppress) {
@@ -115,8 +98,7 @@ struct SoftNmsCandidates {
 
   // Larger current score first, then lower input index; -1 is "none".
   bool better(int64_t a, int64_t b) const {
-    if (b < 0) return true;
-    return score[a] > score[b] || (score[a] == score[b] && id[a] < id[b]);
+    return b < 0 || ranks_before(score[a], id[a], score[b], id[b]);
   }
 
   // Squeeze out dead entries; returns the new position of `keep_pos` (or -1).
@@ -153,42 +135,27 @@ int64_t soft_nms_loop(const T* box, const T* score, int64_t n, T thr, T sigma,
     c.y1.push_back(by1);
     c.x2.push_back(bx2);
     c.y2.push_back(by2);
-    c.area.push_back((bx2 - bx1) * (by2 - by1));
+    c.area.push_back(box_area(bx1, by1, bx2, by2));
     c.score.push_back(score[i]);
     c.id.push_back(i);
   }
   c.size = static_cast<int64_t>(c.id.size());
   c.dead.assign(c.size, 0);
-  // With iou_threshold <= 0, even disjoint boxes (iou 0) are decayed by the naive method.
-  const T disjoint_weight = (method == kNaive && T(0) >= thr) ? T(0) : T(1);
+  const T disjoint = disjoint_weight(method, thr);
 
   // Decay [begin, end) against the selected box; returns the local argmax and counts new deaths.
   auto decay = [&](int64_t begin, int64_t end, T bx1, T by1, T bx2, T by2, T barea, int64_t& died) {
     int64_t best = -1;
     for (int64_t p = begin; p < end; ++p) {
       if (c.dead[p]) continue;
-      {
-        const T w = std::max(T(0), std::min(bx2, c.x2[p]) - std::max(bx1, c.x1[p]));
-        const T h = std::max(T(0), std::min(by2, c.y2[p]) - std::max(by1, c.y1[p]));
-        const T inter = w * h;
-        T weight = disjoint_weight;
-        if (inter != T(0)) {
-          const T ovr = inter / (barea + c.area[p] - inter);
-          if (method == kGaussian) {
-            weight = std::exp(-(ovr * ovr) / sigma);
-          } else if (ovr >= thr) {
-            weight = method == kLinear ? T(1) - ovr : T(0);
-          } else {
-            weight = T(1);
-          }
-        }
-        if (weight != T(1)) {
-          c.score[p] *= weight;
-          if (!(c.score[p] >= min_score)) {
-            c.dead[p] = 1;
-            ++died;
-            continue;
-          }
+      const T inter = intersection(bx1, by1, bx2, by2, c.x1[p], c.y1[p], c.x2[p], c.y2[p]);
+      const T weight = soft_weight(method, inter, barea, c.area[p], thr, sigma, disjoint);
+      if (weight != T(1)) {
+        c.score[p] = mul_rn(c.score[p], weight);
+        if (!(c.score[p] >= min_score)) {  // also drops NaN
+          c.dead[p] = 1;
+          ++died;
+          continue;
         }
       }
       if (c.better(p, best)) best = p;
@@ -271,7 +238,7 @@ int64_t batched_soft_nms_loop(const T* box, const T* score, const int64_t* label
   for (int64_t c = 0; c < classes; ++c)
     for (int64_t r = 0; r < kept[c]; ++r) rows.push_back(starts[c] + r);
   std::sort(rows.begin(), rows.end(), [&](int64_t a, int64_t b) {
-    return kept_score[a] > kept_score[b] || (kept_score[a] == kept_score[b] && kept_idx[a] < kept_idx[b]);
+    return ranks_before(kept_score[a], kept_idx[a], kept_score[b], kept_idx[b]);
   });
   for (size_t k = 0; k < rows.size(); ++k) {
     out_idx[k] = kept_idx[rows[k]];
@@ -286,21 +253,13 @@ int64_t batched_soft_nms_loop(const T* box, const T* score, const int64_t* label
 std::tuple<at::Tensor, at::Tensor> soft_nms_cpu(const at::Tensor& boxes_, const at::Tensor& scores_,
                                                 const std::optional<at::Tensor>& labels_, double iou_threshold,
                                                 double sigma, double min_score, int64_t method) {
-  check_boxes_scores(boxes_, scores_, "soft_nms");
-  TORCH_CHECK(method == kNaive || method == kLinear || method == kGaussian, "soft_nms: unknown method ", method);
-  const int64_t n = boxes_.size(0);
-  at::Tensor labels;
-  if (labels_.has_value()) {
-    labels = labels_->to(at::kLong).contiguous();
-    TORCH_CHECK(labels.dim() == 1 && labels.size(0) == n, "soft_nms: labels must be [N] with N = ", n);
-  }
-  const auto mt = math_type(boxes_);
-  const at::Tensor b = boxes_.to(mt).contiguous();
-  const at::Tensor s = scores_.to(mt).contiguous();
-  at::Tensor inds = at::empty({n}, boxes_.options().dtype(at::kLong));
+  const SoftNmsInputs in = soft_nms_inputs(boxes_, scores_, labels_, method);
+  const int64_t n = in.n;
+  const at::Tensor &b = in.boxes, &s = in.scores, &labels = in.labels;
+  at::Tensor inds = at::empty({n}, b.options().dtype(at::kLong));
   at::Tensor new_scores = at::empty({n}, b.options());
   int64_t k = 0;
-  AT_DISPATCH_FLOATING_TYPES(mt, "soft_nms_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(b.scalar_type(), "soft_nms_cpu", [&] {
     const auto thr = static_cast<scalar_t>(iou_threshold);
     const auto sig = static_cast<scalar_t>(sigma);
     const auto low = static_cast<scalar_t>(min_score);

@@ -1,7 +1,7 @@
 // Non-maximum suppression on CUDA: hard NMS (torchvision semantics) and soft-NMS (mmcv semantics,
-// optionally per class). Same geometry and order of float operations as csrc/cpu/nms.cpp; products
-// use __fmul_rn/__dmul_rn so nvcc cannot fuse them into an FMA with the following subtraction,
-// which keeps the IoU bit-identical to the CPU kernel and torchvision.
+// optionally per class). Box geometry, decay weights, tie order and argument checks come from
+// csrc/nms_common.h, shared with csrc/cpu/nms.cpp, so both kernels select the same boxes (products
+// there are __fmul_rn/__dmul_rn on the device: never fused into an FMA).
 //
 // Hard NMS, the bitmask method:
 //   1. sort by score (stable, descending) and gather the boxes in that order;
@@ -11,6 +11,7 @@
 //      first resolves which of them survive (a sequential 64-step pass over the diagonal words,
 //      held in shared memory), then every thread ORs the kept rows into the "removed" words it
 //      owns. No mask leaves the device; the only host sync is the size of the result.
+//   Mask words with column block < row block are never written and never read.
 // Soft-NMS: one block loops over selections; each round decays the live boxes in parallel and
 // finds the next (score, lowest index) maximum with a block reduction in the same pass.
 #include <ATen/ATen.h>
@@ -19,38 +20,20 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "nms_common.h"
+
 #include <algorithm>
 #include <cstdint>
 
 namespace accel {
 namespace {
 
-constexpr int kNaive = 0;
-constexpr int kLinear = 1;
-constexpr int kGaussian = 2;
+using namespace nms_common;
 
 constexpr int kBoxesPerBlock = 64;  // bits in a mask word
 constexpr int kMaxGridY = 65535;
 
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float exp_t(float v) { return expf(v); }
-__device__ __forceinline__ double exp_t(double v) { return exp(v); }
-
 __host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-template <typename T>
-__device__ __forceinline__ T box_area(T x1, T y1, T x2, T y2) {
-  return mul_rn(x2 - x1, y2 - y1);
-}
-
-// Intersection area of two boxes given as (x1, y1, x2, y2).
-template <typename T>
-__device__ __forceinline__ T intersection(T ax1, T ay1, T ax2, T ay2, T bx1, T by1, T bx2, T by2) {
-  const T w = max(T(0), min(ax2, bx2) - max(ax1, bx1));
-  const T h = max(T(0), min(ay2, by2) - max(ay1, by1));
-  return mul_rn(w, h);
-}
 
 // ------------------------------------------------------------------------------- hard NMS
 
@@ -84,8 +67,7 @@ __global__ void nms_mask_kernel(const T* __restrict__ boxes, int64_t n, double i
   unsigned long long bits = 0;
   for (int c = (row_block == col_block) ? t + 1 : 0; c < cols; ++c) {
     const T inter = intersection(x1, y1, x2, y2, col_box[c][0], col_box[c][1], col_box[c][2], col_box[c][3]);
-    const T ovr = inter / (area + col_box[c][4] - inter);
-    if (static_cast<double>(ovr) > iou_threshold) bits |= 1ULL << c;
+    if (suppresses(inter, area, col_box[c][4], iou_threshold)) bits |= 1ULL << c;
   }
   mask[(row_start + t) * col_blocks + col_block] = bits;
 }
@@ -132,9 +114,7 @@ __global__ void nms_keep_kernel(const unsigned long long* __restrict__ mask, int
 }
 
 at::Tensor nms_cuda(const at::Tensor& boxes_, const at::Tensor& scores_, double iou_threshold) {
-  TORCH_CHECK(boxes_.dim() == 2 && boxes_.size(1) == 4, "nms: boxes must be [N, 4], got ", boxes_.sizes());
-  TORCH_CHECK(scores_.dim() == 1 && scores_.size(0) == boxes_.size(0), "nms: scores must be [N] with N = ",
-              boxes_.size(0), ", got ", scores_.sizes());
+  check_boxes_scores(boxes_, scores_, "nms");
   c10::cuda::CUDAGuard guard(boxes_.device());
   const int64_t n = boxes_.size(0);
   if (n == 0) return at::empty({0}, boxes_.options().dtype(at::kLong));
@@ -142,16 +122,15 @@ at::Tensor nms_cuda(const at::Tensor& boxes_, const at::Tensor& scores_, double 
   TORCH_CHECK(col_blocks <= kMaxGridY, "nms: at most ", int64_t(kMaxGridY) * kBoxesPerBlock,
               " boxes are supported on CUDA, got ", n);
 
-  const at::Tensor order = std::get<1>(scores_.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true));
-  const auto mt = boxes_.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor sorted = boxes_.index_select(0, order).to(mt).contiguous();
+  const ByScore visit = by_score(boxes_, scores_);
+  const at::Tensor &order = visit.order, &sorted = visit.boxes;
   at::Tensor mask = at::empty({n * col_blocks}, boxes_.options().dtype(at::kLong));
   at::Tensor removed = at::empty({col_blocks}, boxes_.options().dtype(at::kLong));
   at::Tensor keep = at::empty({n}, boxes_.options().dtype(at::kBool));
   auto stream = at::cuda::getCurrentCUDAStream();
   auto* mask_ptr = reinterpret_cast<unsigned long long*>(mask.mutable_data_ptr<int64_t>());
 
-  AT_DISPATCH_FLOATING_TYPES(mt, "nms_cuda", [&] {
+  AT_DISPATCH_FLOATING_TYPES(sorted.scalar_type(), "nms_cuda", [&] {
     const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(col_blocks));
     nms_mask_kernel<scalar_t><<<grid, kBoxesPerBlock, 0, stream>>>(sorted.const_data_ptr<scalar_t>(), n,
                                                                  iou_threshold, mask_ptr, col_blocks);
@@ -170,19 +149,17 @@ at::Tensor nms_cuda(const at::Tensor& boxes_, const at::Tensor& scores_, double 
 
 constexpr int kSoftThreads = 1024;
 
-// (score, index) with index < 0 meaning "none"; larger score wins, then lower index.
+// (score, index) with index < 0 meaning "none"; otherwise the CPU kernel's order (ranks_before).
 template <typename T>
 __device__ __forceinline__ bool better(T s, int64_t i, T bs, int64_t bi) {
   if (i < 0) return false;
-  if (bi < 0) return true;
-  return s > bs || (s == bs && i < bi);
+  return bi < 0 || ranks_before(s, i, bs, bi);
 }
 
-// Block-wide argmax; every thread gets the result. Two barriers; safe to call back to back.
+// Argmax over the 32 lanes of a warp; lane 0 ends with the warp's best. Lanes whose partner is
+// out of range get their own value back and keep it (better(x, x) is false).
 template <typename T>
-__device__ void block_argmax(T& s, int64_t& i, T* warp_s, int64_t* warp_i, T* best_s, int64_t* best_i) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
+__device__ __forceinline__ void warp_argmax(T& s, int64_t& i) {
   for (int off = 16; off > 0; off >>= 1) {
     const T os = __shfl_down_sync(0xffffffffu, s, off);
     const int64_t oi = __shfl_down_sync(0xffffffffu, i, off);
@@ -191,6 +168,17 @@ __device__ void block_argmax(T& s, int64_t& i, T* warp_s, int64_t* warp_i, T* be
       i = oi;
     }
   }
+}
+
+// Block-wide argmax; every thread gets the result. Needs blockDim.x a multiple of 32 (at most
+// 1024) with every thread calling it. Two barriers; safe to call back to back: the next call
+// rewrites warp_s/best_s only after its first barrier, which every thread reaches after it has
+// read this call's result.
+template <typename T>
+__device__ void block_argmax(T& s, int64_t& i, T* warp_s, int64_t* warp_i, T* best_s, int64_t* best_i) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  warp_argmax(s, i);
   if (lane == 0) {
     warp_s[warp] = s;
     warp_i[warp] = i;
@@ -200,14 +188,7 @@ __device__ void block_argmax(T& s, int64_t& i, T* warp_s, int64_t* warp_i, T* be
     const int warps = blockDim.x >> 5;
     s = lane < warps ? warp_s[lane] : T(0);
     i = lane < warps ? warp_i[lane] : int64_t(-1);
-    for (int off = 16; off > 0; off >>= 1) {
-      const T os = __shfl_down_sync(0xffffffffu, s, off);
-      const int64_t oi = __shfl_down_sync(0xffffffffu, i, off);
-      if (better(os, oi, s, i)) {
-        s = os;
-        i = oi;
-      }
-    }
+    warp_argmax(s, i);
     if (lane == 0) {
       *best_s = s;
       *best_i = i;
@@ -229,7 +210,7 @@ __global__ void __launch_bounds__(kSoftThreads)
   __shared__ T best_s;
   __shared__ int64_t best_i;
   const int64_t threads = blockDim.x;
-  const T disjoint_weight = (method == kNaive && T(0) >= thr) ? T(0) : T(1);
+  const T disjoint = disjoint_weight(static_cast<int64_t>(method), thr);
 
   T s = T(0);
   int64_t i = -1;
@@ -268,21 +249,13 @@ __global__ void __launch_bounds__(kSoftThreads)
       if (!labels || labels[p] == blabel) {
         const T* q = boxes + p * 4;
         const T inter = intersection(bx1, by1, bx2, by2, q[0], q[1], q[2], q[3]);
-        T weight = disjoint_weight;
-        if (inter != T(0)) {
-          const T ovr = inter / (barea + box_area(q[0], q[1], q[2], q[3]) - inter);
-          if (method == kGaussian) {
-            weight = exp_t(-mul_rn(ovr, ovr) / sigma);
-          } else if (ovr >= thr) {
-            weight = method == kLinear ? T(1) - ovr : T(0);
-          } else {
-            weight = T(1);
-          }
-        }
+        const T weight =
+            soft_weight(static_cast<int64_t>(method), inter, barea, box_area(q[0], q[1], q[2], q[3]), thr, sigma,
+                        disjoint);
         if (weight != T(1)) {
           sp = mul_rn(sp, weight);
           score[p] = sp;
-          if (!(sp >= min_score)) {
+          if (!(sp >= min_score)) {  // also drops NaN
             live[p] = 0;
             continue;
           }
@@ -301,28 +274,19 @@ __global__ void __launch_bounds__(kSoftThreads)
 std::tuple<at::Tensor, at::Tensor> soft_nms_cuda(const at::Tensor& boxes_, const at::Tensor& scores_,
                                                  const std::optional<at::Tensor>& labels_, double iou_threshold,
                                                  double sigma, double min_score, int64_t method) {
-  TORCH_CHECK(boxes_.dim() == 2 && boxes_.size(1) == 4, "soft_nms: boxes must be [N, 4], got ", boxes_.sizes());
-  TORCH_CHECK(scores_.dim() == 1 && scores_.size(0) == boxes_.size(0), "soft_nms: scores must be [N] with N = ",
-              boxes_.size(0), ", got ", scores_.sizes());
-  TORCH_CHECK(method == kNaive || method == kLinear || method == kGaussian, "soft_nms: unknown method ", method);
+  // Checked before the guard: a CPU `boxes_` (with CUDA scores) must get the "must be on" message.
+  const SoftNmsInputs in = soft_nms_inputs(boxes_, scores_, labels_, method);
   c10::cuda::CUDAGuard guard(boxes_.device());
-  const int64_t n = boxes_.size(0);
-  at::Tensor labels;
-  if (labels_.has_value()) {
-    labels = labels_->to(at::kLong).contiguous();
-    TORCH_CHECK(labels.dim() == 1 && labels.size(0) == n, "soft_nms: labels must be [N] with N = ", n);
-    TORCH_CHECK(labels.device() == boxes_.device(), "soft_nms: labels must be on ", boxes_.device());
-  }
-  const auto mt = boxes_.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor b = boxes_.to(mt).contiguous();
-  at::Tensor work = scores_.to(mt).contiguous().clone();  // decayed in place
-  at::Tensor live = at::empty({n}, boxes_.options().dtype(at::kByte));
-  at::Tensor inds = at::empty({n}, boxes_.options().dtype(at::kLong));
+  const int64_t n = in.n;
+  const at::Tensor &b = in.boxes, &labels = in.labels;
+  at::Tensor work = in.scores.clone();  // decayed in place; in.scores may be the caller's tensor
+  at::Tensor live = at::empty({n}, b.options().dtype(at::kByte));
+  at::Tensor inds = at::empty({n}, b.options().dtype(at::kLong));
   at::Tensor new_scores = at::empty({n}, b.options());
-  at::Tensor count = at::zeros({1}, boxes_.options().dtype(at::kLong));
+  at::Tensor count = at::zeros({1}, b.options().dtype(at::kLong));
   if (n == 0) return {inds, new_scores};
   auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES(mt, "soft_nms_cuda", [&] {
+  AT_DISPATCH_FLOATING_TYPES(b.scalar_type(), "soft_nms_cuda", [&] {
     soft_nms_kernel<scalar_t><<<1, kSoftThreads, 0, stream>>>(
         b.const_data_ptr<scalar_t>(), work.mutable_data_ptr<scalar_t>(),
         labels.defined() ? labels.const_data_ptr<int64_t>() : nullptr, live.mutable_data_ptr<uint8_t>(), n,

@@ -1,14 +1,26 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 import torchvision
 
+from accel.runtime.nn.nms import _ops as nms_ops
 from accel.runtime.nn.nms import (batched_soft_nms, batched_soft_nms_reference, nms, nms_normal, nms_reference,
                                   soft_nms, soft_nms_reference)
 from accel.utils.xla import xla_available
 
-from ._params import DEVICES, tol
+from ._params import DEVICES, NO_CUDA, tol
+
+try:  # an independent soft-NMS implementation (numpy); a test dependency, see pyproject.toml
+    import ensemble_boxes
+    from ensemble_boxes.ensemble_boxes_nms import cpu_soft_nms_float
+except ImportError:
+    ensemble_boxes = None
+
+needs_ensemble_boxes = pytest.mark.skipif(ensemble_boxes is None, reason="ensemble_boxes is not installed "
+                                          "(pip install ensemble-boxes, part of the test extras)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 
 METHODS = ["linear", "gaussian", "naive"]
 
@@ -92,6 +104,22 @@ def test_nms_non_contiguous_inputs(device):
     boxes, scores = base[:, :4], base[:, 4]
     assert not boxes.is_contiguous() and not scores.is_contiguous()
     assert torch.equal(nms(boxes, scores, 0.5).cpu(), _tv_nms(boxes, scores, 0.5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nms_nan_coordinates_match_torchvision(device):
+    # a NaN coordinate makes the box's area, hence every IoU with it, NaN: it is kept, and neither
+    # suppresses nor is suppressed by anything (NaN > thr is false), as in torchvision
+    boxes, scores = _boxes(500, 4, spread=60.0, size=30.0), _scores(500, 4)
+    for col in range(4):
+        boxes[col::37, col] = float("nan")
+    keep = nms(boxes.to(device), scores.to(device), 0.4).cpu()
+    assert torch.equal(keep, _tv_nms(boxes, scores, 0.4))
+    finite = ~boxes.isnan().any(1)
+    assert set((~finite).nonzero().squeeze(1).tolist()) <= set(keep.tolist())
+    # the NaN boxes change nothing for the others
+    rows = finite.nonzero().squeeze(1)
+    assert torch.equal(keep[finite[keep]], rows[nms(boxes[rows], scores[rows], 0.4)])
 
 
 def test_nms_reference_matches_torchvision():
@@ -284,6 +312,182 @@ def test_batched_soft_nms_keeps_scores_dtype(device):
     ref_inds, ref_s = batched_soft_nms_reference(boxes.float().cpu(), scores.cpu(), idxs.cpu())
     assert torch.equal(inds.cpu(), ref_inds)
     torch.testing.assert_close(s.cpu(), ref_s, rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------ ensemble_boxes as a soft-NMS peer
+#
+# What ensemble_boxes 1.0.9 (ensemble_boxes/ensemble_boxes_nms.py) computes, read from its source,
+# against our (mmcv) semantics:
+# - IoU: inter / (area_a + area_b - inter), no +1, like ours. It promotes the coordinates to
+#   float64 (by concatenating an index column) and multiplies the y-extent by the x-extent: for
+#   float64 boxes the same IoU as ours, bit for bit; for float32 boxes ours is computed in float32.
+# - gaussian: exp(-iou^2 / sigma) for every box, as ours (a disjoint box gets exp(-0) = 1).
+#   linear: 1 - iou only where iou > iou_thr (strict); mmcv and we use iou >= iou_thr.
+#   method 3 is hard NMS (nms_float_fast: suppress iou > iou_thr, thresh ignored); our "naive"
+#   zeroes iou >= iou_threshold and then drops the box (score 0 < min_score).
+# - Threshold: it decays every box and keeps, at the end, those whose score is > thresh (strict);
+#   we drop a box as soon as its score is < min_score (keep >=). The same boxes, away from a score
+#   exactly equal to the threshold: scores only decrease, so a box below the threshold is selected
+#   only after every box above it and decays none of them.
+# - Ties: each round it keeps the box in the current position unless a later one is strictly
+#   higher, so equal scores are broken by its swap history; ours by the lowest index. The inputs
+#   below have distinct scores.
+# - Output: per label (ascending), the kept boxes in selection order with their ORIGINAL scores;
+#   the rescored ones are left in the score array cpu_soft_nms_float decays in place.
+# - prepare_boxes clips coordinates to [0, 1] and drops zero-area boxes: the inputs below are
+#   normalized boxes with positive area, which it passes through unchanged.
+# Float64 results agree exactly for linear and to a couple of ulps for gaussian (numpy's exp vs
+# libm's); float32 within float32 rounding (its scores are rounded to float32 after float64 decays).
+
+EB_METHODS = {"linear": 1, "gaussian": 2}
+
+
+def _unit_boxes(n, seed, device="cpu", dtype=torch.float64):
+    """Normalized, crowded boxes with positive area, and distinct scores."""
+    g = torch.Generator().manual_seed(seed)
+    xy = torch.rand(n, 2, generator=g, dtype=torch.float64) * 0.7
+    wh = torch.rand(n, 2, generator=g, dtype=torch.float64) * 0.25 + 0.02
+    scores = torch.rand(n, generator=g, dtype=torch.float64)
+    return torch.cat([xy, xy + wh], 1).to(device, dtype), scores.to(device, dtype)
+
+
+def _ensemble_rescored(boxes, scores, method, thr, sigma, thresh):
+    """cpu_soft_nms_float: (kept indices, their rescored scores), both in selection order."""
+    sc = scores.cpu().numpy().copy()
+    keep = cpu_soft_nms_float(boxes.cpu().numpy().copy(), sc, Nt=thr, sigma=sigma, thresh=thresh,
+                              method=EB_METHODS[method])
+    # positions are selections; a position's score is final once selected, and non-increasing
+    return torch.from_numpy(keep.astype(np.int64)), torch.from_numpy(sc[:len(keep)])
+
+
+def _ensemble_public(boxes, scores, labels, code, thr, sigma, thresh):
+    """ensemble_boxes.soft_nms on one model: (input indices, returned scores), label by label."""
+    out_boxes, out_scores, out_labels = ensemble_boxes.soft_nms(
+        [boxes.cpu().numpy()], [scores.cpu().numpy()], [labels.cpu().numpy()], method=code, iou_thr=thr,
+        sigma=sigma, thresh=thresh)
+    row_of = {tuple(r): i for i, r in enumerate(boxes.cpu().tolist())}
+    inds = torch.tensor([row_of[tuple(r)] for r in out_boxes.tolist()], dtype=torch.int64)
+    assert torch.equal(torch.from_numpy(out_labels).long(), labels.cpu()[inds])
+    return inds, torch.from_numpy(out_scores)
+
+
+@needs_ensemble_boxes
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", sorted(EB_METHODS))
+def test_soft_nms_matches_ensemble_boxes_rescored_scores(device, method):
+    for seed, (thr, sigma, low) in enumerate([(0.3, 0.5, 1e-3), (0.5, 0.2, 0.05), (0.1, 1.0, 0.3)]):
+        boxes, scores = _unit_boxes(300, seed, device)
+        out, inds = soft_nms(torch.cat([boxes, scores[:, None]], 1), thr, sigma, low, method)
+        ref_inds, ref_scores = _ensemble_rescored(boxes, scores, method, thr, sigma, low)
+        assert 50 < len(ref_inds) < 300, "the case should both keep and drop boxes"
+        assert torch.equal(inds.cpu(), ref_inds), (seed, method)
+        if method == "linear":  # the same float64 operations in the same order
+            assert torch.equal(out[:, 4].cpu(), ref_scores)
+        else:  # exp from numpy vs libm / CUDA: an ulp or two per decay, over chains of decays
+            torch.testing.assert_close(out[:, 4].cpu(), ref_scores, rtol=1e-13, atol=0)
+
+
+@needs_ensemble_boxes
+def test_linear_threshold_inclusive_here_strict_in_ensemble_boxes():
+    # IoU(A, B) = 50 / 150, exactly the float64 value of 1/3: at iou == iou_threshold we decay B
+    # (mmcv's >=), ensemble_boxes does not (>)
+    dets = _three_boxes(dtype=torch.float64)
+    out, inds = soft_nms(dets, 1 / 3, method="linear", min_score=0.0)
+    assert inds.tolist() == [0, 2, 1] and out[2, 4].item() == 0.8 * (1 - 1 / 3)
+    ref_inds, ref_scores = _ensemble_rescored(dets[:, :4], dets[:, 4], "linear", 1 / 3, 0.5, 0.0)
+    assert ref_inds.tolist() == [0, 1, 2] and ref_scores.tolist() == [0.9, 0.8, 0.6]
+    # just above the threshold both decay
+    ref_inds, _ = _ensemble_rescored(dets[:, :4], dets[:, 4], "linear", 1 / 3 - 1e-9, 0.5, 0.0)
+    assert ref_inds.tolist() == [0, 2, 1]
+
+
+@needs_ensemble_boxes
+@pytest.mark.parametrize("device", DEVICES)
+def test_soft_nms_float32_close_to_ensemble_boxes(device):
+    # ensemble_boxes decays float32 scores with float64 IoUs; ours is float32 throughout
+    boxes, scores = _unit_boxes(300, 5, device, torch.float32)
+    for method in sorted(EB_METHODS):
+        out, inds = soft_nms(torch.cat([boxes, scores[:, None]], 1), 0.3, 0.5, 0.01, method)
+        ref_inds, ref_scores = _ensemble_rescored(boxes, scores, method, 0.3, 0.5, 0.01)
+        assert torch.equal(inds.cpu(), ref_inds), method
+        torch.testing.assert_close(out[:, 4].cpu(), ref_scores, rtol=2e-6, atol=0)
+
+
+@needs_ensemble_boxes
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", ["linear", "gaussian", "naive"])
+def test_batched_soft_nms_matches_ensemble_boxes_soft_nms(device, method):
+    # naive with min_score below every score is hard NMS with iou >= thr, which is ensemble_boxes'
+    # method 3 (iou > thr) for IoUs that never equal the threshold
+    code, low = {"linear": (1, 0.05), "gaussian": (2, 0.05), "naive": (3, 1e-9)}[method]
+    boxes, scores = _unit_boxes(400, 7, device)
+    labels = torch.randint(0, 4, (400,), generator=torch.Generator().manual_seed(1)).to(device)
+    inds, new_scores = batched_soft_nms(boxes, scores, labels, 0.4, 0.5, low, method)
+    ref_inds, ref_scores = _ensemble_public(boxes, scores, labels, code, 0.4, 0.5, low)
+    assert 100 < len(ref_inds) < 400
+    # ours: one list by decreasing rescored score; theirs: label by label, each in selection order
+    by_label = inds.cpu()[torch.sort(labels.cpu()[inds.cpu()], stable=True).indices]
+    assert torch.equal(by_label, ref_inds), method
+    # it returns the original scores of the kept boxes; ours are rescored, never higher
+    assert torch.equal(ref_scores, scores.cpu()[ref_inds])
+    assert bool((new_scores.cpu() <= scores.cpu()[inds.cpu()]).all())
+    # one label: the same run through soft_nms
+    if method != "naive":
+        one = torch.zeros_like(labels)
+        _, inds1 = soft_nms(torch.cat([boxes, scores[:, None]], 1), 0.4, 0.5, low, method)
+        assert torch.equal(inds1.cpu(), _ensemble_public(boxes, scores, one, code, 0.4, 0.5, low)[0])
+
+
+# ------------------------------------------------------------------ CUDA selects exactly what the CPU selects
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_kernels_equal_cpu_kernels(dtype):
+    # Both kernels evaluate the same functions (csrc/nms_common.h): identical indices, and rescored
+    # scores equal except where the device's and libm's double exp round a gaussian weight to
+    # different floats (an exact value within ~1e-16 of a rounding boundary: rare, one ulp).
+    # NaN coordinates exercise the min/max semantics; 4097 boxes end on a 1-box mask word.
+    for seed, n in enumerate([63, 1000, 4097]):
+        boxes, scores = _boxes(n, seed, dtype=dtype, spread=60.0, size=30.0), _scores(n, seed, dtype=dtype)
+        boxes[::97, seed % 4] = float("nan")
+        labels = torch.randint(0, 3, (n,), generator=torch.Generator().manual_seed(seed))
+        cuda = lambda t: t.to("cuda")  # noqa: E731
+        assert torch.equal(nms(cuda(boxes), cuda(scores), 0.5).cpu(), nms(boxes, scores, 0.5))
+        dets = torch.cat([boxes, scores[:, None]], 1)
+        ulps = dict(rtol=1e-6, atol=0) if dtype == torch.float32 else dict(rtol=1e-12, atol=0)
+        for method in METHODS:
+            out_g, inds_g = soft_nms(cuda(dets), 0.3, 0.5, 0.01, method)
+            out_c, inds_c = soft_nms(dets, 0.3, 0.5, 0.01, method)
+            assert torch.equal(inds_g.cpu(), inds_c), (seed, method)
+            torch.testing.assert_close(out_g.cpu(), out_c, **ulps, equal_nan=True)
+            inds_g, s_g = batched_soft_nms(cuda(boxes), cuda(scores), cuda(labels), 0.3, 0.5, 0.01, method)
+            inds_c, s_c = batched_soft_nms(boxes, scores, labels, 0.3, 0.5, 0.01, method)
+            assert torch.equal(inds_g.cpu(), inds_c), (seed, method)
+            torch.testing.assert_close(s_g.cpu(), s_c, **ulps)
+
+
+@needs_cuda
+def test_cuda_nms_more_mask_words_than_threads():
+    # 70000 boxes: 1094 mask words, more than the keep kernel's 1024 threads, so each thread owns
+    # several; crowded enough (about 1900 kept) that the CPU kernel takes well under a second
+    n = 70000
+    boxes, scores = _boxes(n, 3, spread=150.0, size=40.0), _scores(n, 3)
+    keep = nms(boxes.cuda(), scores.cuda(), 0.1).cpu()
+    assert 1000 < len(keep) < 5000 and torch.equal(keep, nms(boxes, scores, 0.1))
+
+
+@needs_cuda
+def test_cuda_ops_reject_inputs_on_another_device():
+    # the op itself (not only the Python wrapper) refuses, instead of reading a host pointer
+    ops = nms_ops()  # torch.ops.accel, with the nms kernels loaded
+    boxes, scores = _boxes(10, 0).cuda(), _scores(10, 0)
+    with pytest.raises(RuntimeError, match="scores must be on"):
+        ops.nms(boxes, scores, 0.5)
+    with pytest.raises(RuntimeError, match="scores must be on"):
+        ops.nms_soft(boxes, scores, None, 0.3, 0.5, 1e-3, 1)
+    with pytest.raises(RuntimeError, match="labels must be on"):
+        ops.nms_soft(boxes, scores.cuda(), torch.zeros(10, dtype=torch.int64), 0.3, 0.5, 1e-3, 1)
 
 
 # ------------------------------------------------------------------ empty input, compile, bad input

@@ -24,6 +24,13 @@ Conventions (shared by kernels and references):
   cross-class pairs; no coordinate-offset trick, so no precision is lost). It returns the kept boxes
   ordered by decreasing rescored score, ties by input index, which is exactly the order in which
   one greedy loop over all classes selects them.
+- The CPU and CUDA kernels share their arithmetic (csrc/nms_common.h) and select the same boxes.
+  Gaussian weights are exp in double rounded to float on both, so float32 scores agree bit for bit
+  (barring an exact value within ~1e-16 of a float rounding boundary; float64: within an ulp).
+- ensemble_boxes.soft_nms (an independent numpy implementation, compared in tests/runtime/test_nms.py)
+  computes the same IoU and gaussian decay; its linear method decays iou > iou_thr (strict), its
+  method 3 is hard NMS, it keeps final scores > thresh (strict), breaks ties by swap history, and
+  returns the kept boxes' original scores, class by class, rather than the rescored ones.
 
 torch.compile: the ops have fake kernels with a data-dependent output size, so fullgraph=True works
 with `torch._dynamo.config.capture_dynamic_output_shape_ops = True`, as for torchvision.ops.nms.
