@@ -1,11 +1,20 @@
 // Fused bias-dropout-add, out = residual + dropout(x + bias, p), and its backward, on CUDA.
 //
 // Same mask as the CPU kernels (csrc/cpu/bias_dropout_add.cpp): element i of the flattened x is kept
-// when word i % 4 of Philox-4x32-10(key = seed, counter = (offset, i / 4)) is below (1 - p) * 2^32.
-// Each thread handles blocks of 4 elements, so one Philox call serves one vectorized load.
-// (seed, offset) come from the CUDA generator's philox_cuda_state (graph-capture safe: unpacked on
-// the device); the forward writes them to rng_state, from which the backward regenerates the mask.
-// Memory-bound: 64-bit indices, 4-wide vector loads when aligned, fp32 math for half/bfloat16.
+// when word i % 4 of Philox-4x32-10(key = seed, counter = (c, i / 4)) is below (1 - p) * 2^32, where
+// (seed, c) = rng_state. The mask depends on the element index only, never on the thread mapping,
+// so forward and backward (and the CPU backward) regenerate the same mask from rng_state.
+// Dropped elements are multiplied by 0, not replaced by 0, so NaN/inf propagate as in torch's
+// dropout and the CPU kernel.
+//
+// (seed, offset) come from the device's CUDA generator (philox_cuda_state under its mutex; unpacked
+// on the device, so it works under CUDA graph capture). The generator's offset counts 32-bit draws
+// (curand's convention, always a multiple of 4), while a Philox counter step yields 4 draws: one
+// call reserves 4 draws per subsequence and uses counter c = offset / 4, which keeps these masks
+// disjoint from the streams of torch's own curand-based kernels. The forward writes (seed, c) to
+// rng_state for the backward.
+// Memory-bound: 64-bit indices, 4-wide vector loads when every pointer is aligned and n % 4 == 0,
+// fp32 math for half/bfloat16, no integer division in the grid-stride loop.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/core/PhiloxRNGEngine.h>
@@ -17,141 +26,178 @@
 #include <torch/types.h>
 
 #include <cmath>
+#include <cstdint>
+#include <initializer_list>
 #include <mutex>
+#include <type_traits>
 
 namespace accel {
 namespace {
 
-template <typename T>
-struct alignas(4 * sizeof(T)) Vec4 {
-  T v[4];
-};
-
+// keep <=> draw < threshold, with threshold in [0, 2^32]: p = 0 keeps all, p = 1 keeps none.
 inline uint64_t keep_threshold(double p) {
   return static_cast<uint64_t>(std::floor((1.0 - p) * 4294967296.0));
 }
 
 inline double keep_scale(double p) { return p < 1.0 ? 1.0 / (1.0 - p) : 0.0; }
 
-__device__ __forceinline__ void philox_draws(uint64_t seed, uint64_t offset, int64_t blk, uint32_t (&d)[4]) {
-  at::Philox4_32 engine(seed, static_cast<uint64_t>(blk), offset);
-  d[0] = engine();
-  d[1] = engine();
-  d[2] = engine();
-  d[3] = engine();
+// Generator offset increment per call: one Philox counter (4 draws) per subsequence.
+constexpr uint64_t kDrawsPerSubsequence = 4;
+
+template <typename T>
+struct alignas(4 * sizeof(T)) Vec4 {
+  T v[4];
+};
+
+// The 4 elements of group blk (elements 4 blk .. 4 blk + 3). kVec: one aligned vector access
+// (the caller checked alignment and n % 4 == 0); otherwise element-wise with the tail masked.
+template <typename T, bool kVec>
+__device__ __forceinline__ void load4(const T* __restrict__ p, int64_t blk, int64_t n, T (&v)[4]) {
+  if constexpr (kVec) {
+    const Vec4<T> l = reinterpret_cast<const Vec4<T>*>(p)[blk];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = l.v[k];
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = 4 * blk + k < n ? p[4 * blk + k] : T(0);
+  }
 }
 
-// kVec: all pointers 16-element-aligned for Vec4 and n % 4 == 0, so every block is a full vector.
+template <typename T, bool kVec>
+__device__ __forceinline__ void store4(T* __restrict__ p, int64_t blk, int64_t n, const T (&v)[4]) {
+  if constexpr (kVec) {
+    Vec4<T> l;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) l.v[k] = v[k];
+    reinterpret_cast<Vec4<T>*>(p)[blk] = l;
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (4 * blk + k < n) p[4 * blk + k] = v[k];
+  }
+}
+
+// Multipliers of group blk: scale where kept, 0 where dropped.
+template <typename opmath_t>
+__device__ __forceinline__ void keep_multipliers(uint64_t seed, uint64_t counter, int64_t blk, uint64_t threshold,
+                                                 opmath_t scale, opmath_t (&mult)[4]) {
+  at::Philox4_32 engine(seed, static_cast<uint64_t>(blk), counter);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) mult[k] = static_cast<uint64_t>(engine()) < threshold ? scale : opmath_t(0);
+}
+
+// keep <=> draw < threshold; kept values are multiplied by scale.
+struct Keep {
+  uint64_t threshold;
+  double scale;
+};
+
+// bias may be null (cols is then unused). col_step = (4 * gridDim.x * blockDim.x) % cols, so a
+// thread's bias column advances without a division per iteration.
 template <typename scalar_t, bool kDropout, bool kVec>
 __global__ void bias_dropout_add_fwd_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ bias,
                                             const scalar_t* __restrict__ residual, scalar_t* __restrict__ out,
-                                            int64_t n, int64_t cols, at::PhiloxCudaState philox,
-                                            int64_t* __restrict__ rng_state, uint64_t threshold, double scale) {
+                                            int64_t n, int64_t cols, int64_t col_step, at::PhiloxCudaState philox,
+                                            Keep keep, int64_t* __restrict__ rng_state) {
   using opmath_t = at::opmath_type<scalar_t>;
-  uint64_t seed = 0, offset = 0;
+  uint64_t seed = 0, counter = 0;
   if constexpr (kDropout) {
-    auto unpacked = at::cuda::philox::unpack(philox);
+    const auto unpacked = at::cuda::philox::unpack(philox);
     seed = std::get<0>(unpacked);
-    offset = std::get<1>(unpacked);
+    counter = std::get<1>(unpacked) / kDrawsPerSubsequence;
     if (blockIdx.x == 0 && threadIdx.x == 0) {
       rng_state[0] = static_cast<int64_t>(seed);
-      rng_state[1] = static_cast<int64_t>(offset);
+      rng_state[1] = static_cast<int64_t>(counter);
     }
   }
-  const int64_t blocks = (n + 3) / 4;
-  for (int64_t blk = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; blk < blocks;
-       blk += (int64_t)gridDim.x * blockDim.x) {
-    uint32_t d[4] = {0, 0, 0, 0};
-    if constexpr (kDropout) philox_draws(seed, offset, blk, d);
-    const int64_t base = blk * 4;
+  const opmath_t scale = static_cast<opmath_t>(keep.scale);
+  const int64_t groups = (n + 3) / 4;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t col0 = bias != nullptr ? (4 * first) % cols : 0;  // bias column of element 4 blk (one division)
+  for (int64_t blk = first; blk < groups; blk += stride) {
+    opmath_t mult[4];
+    if constexpr (kDropout) keep_multipliers(seed, counter, blk, keep.threshold, scale, mult);
     scalar_t xv[4], rv[4], ov[4];
-    if constexpr (kVec) {
-      const Vec4<scalar_t> xl = reinterpret_cast<const Vec4<scalar_t>*>(x)[blk];
-      const Vec4<scalar_t> rl = reinterpret_cast<const Vec4<scalar_t>*>(residual)[blk];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        xv[k] = xl.v[k];
-        rv[k] = rl.v[k];
-      }
-    } else {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const bool in = base + k < n;
-        xv[k] = in ? x[base + k] : scalar_t(0);
-        rv[k] = in ? residual[base + k] : scalar_t(0);
-      }
-    }
-    int64_t col = bias != nullptr ? base % cols : 0;
+    load4<scalar_t, kVec>(x, blk, n, xv);
+    load4<scalar_t, kVec>(residual, blk, n, rv);
+    int64_t col = col0;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       opmath_t v = static_cast<opmath_t>(xv[k]);
       if (bias != nullptr) {
+        // 4 blk + k may lie past n on the tail; col stays in [0, cols), so the read is in bounds.
         v += static_cast<opmath_t>(bias[col]);
         if (++col == cols) col = 0;
       }
-      if constexpr (kDropout) v = static_cast<uint64_t>(d[k]) < threshold ? v * static_cast<opmath_t>(scale) : opmath_t(0);
+      if constexpr (kDropout) v *= mult[k];
       ov[k] = static_cast<scalar_t>(static_cast<opmath_t>(rv[k]) + v);
     }
-    if constexpr (kVec) {
-      Vec4<scalar_t> ol;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) ol.v[k] = ov[k];
-      reinterpret_cast<Vec4<scalar_t>*>(out)[blk] = ol;
-    } else {
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (base + k < n) out[base + k] = ov[k];
+    store4<scalar_t, kVec>(out, blk, n, ov);
+    if (bias != nullptr) {
+      col0 += col_step;
+      if (col0 >= cols) col0 -= cols;
     }
   }
 }
 
 template <typename scalar_t, bool kVec>
-__global__ void bias_dropout_add_bwd_kernel(const scalar_t* __restrict__ grad, scalar_t* __restrict__ dx,
-                                            int64_t n, const int64_t* __restrict__ rng_state,
-                                            uint64_t threshold, double scale) {
+__global__ void bias_dropout_add_bwd_kernel(const scalar_t* __restrict__ grad, scalar_t* __restrict__ dx, int64_t n,
+                                            const int64_t* __restrict__ rng_state, Keep keep) {
   using opmath_t = at::opmath_type<scalar_t>;
   const uint64_t seed = static_cast<uint64_t>(rng_state[0]);
-  const uint64_t offset = static_cast<uint64_t>(rng_state[1]);
-  const int64_t blocks = (n + 3) / 4;
-  for (int64_t blk = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; blk < blocks;
-       blk += (int64_t)gridDim.x * blockDim.x) {
-    uint32_t d[4];
-    philox_draws(seed, offset, blk, d);
-    const int64_t base = blk * 4;
-    if constexpr (kVec) {
-      const Vec4<scalar_t> gl = reinterpret_cast<const Vec4<scalar_t>*>(grad)[blk];
-      Vec4<scalar_t> ol;
+  const uint64_t counter = static_cast<uint64_t>(rng_state[1]);
+  const opmath_t scale = static_cast<opmath_t>(keep.scale);
+  const int64_t groups = (n + 3) / 4;
+  for (int64_t blk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; blk < groups;
+       blk += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    opmath_t mult[4];
+    keep_multipliers(seed, counter, blk, keep.threshold, scale, mult);
+    scalar_t gv[4], ov[4];
+    load4<scalar_t, kVec>(grad, blk, n, gv);
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        ol.v[k] = static_cast<uint64_t>(d[k]) < threshold
-                      ? static_cast<scalar_t>(static_cast<opmath_t>(gl.v[k]) * static_cast<opmath_t>(scale))
-                      : scalar_t(0);
-      reinterpret_cast<Vec4<scalar_t>*>(dx)[blk] = ol;
-    } else {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (base + k < n) {
-          dx[base + k] = static_cast<uint64_t>(d[k]) < threshold
-                             ? static_cast<scalar_t>(static_cast<opmath_t>(grad[base + k]) * static_cast<opmath_t>(scale))
-                             : scalar_t(0);
-        }
-      }
-    }
+    for (int k = 0; k < 4; ++k) ov[k] = static_cast<scalar_t>(static_cast<opmath_t>(gv[k]) * mult[k]);
+    store4<scalar_t, kVec>(dx, blk, n, ov);
   }
 }
 
-inline unsigned grid_for(int64_t work_items, int threads) {
+constexpr int kThreads = 256;
+
+// Enough blocks to fill every SM several times over; the grid-stride loop takes the rest.
+inline int64_t grid_for(int64_t groups) {
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t blocks = std::min<int64_t>((work_items + threads - 1) / threads, sms * 32);
-  return static_cast<unsigned>(std::max<int64_t>(blocks, 1));
+  return std::max<int64_t>(1, std::min<int64_t>((groups + kThreads - 1) / kThreads, sms * 32));
 }
 
-inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+// Vector path: n % 4 == 0 and every pointer aligned to a whole Vec4 (a view with a storage offset
+// may not be).
+template <typename scalar_t>
+bool vectorizable(int64_t n, std::initializer_list<const void*> ptrs) {
+  if (n % 4 != 0) return false;
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % sizeof(Vec4<scalar_t>) != 0) return false;
+  return true;
+}
+
+// Calls f(std::bool_constant<b>()) so a runtime flag selects a kernel instantiation.
+template <typename F>
+void with_bool(bool b, F&& f) {
+  if (b) {
+    f(std::true_type());
+  } else {
+    f(std::false_type());
+  }
+}
+
+void check_p(double p) {
+  TORCH_CHECK(p >= 0.0 && p <= 1.0, "bias_dropout_add: p must be in [0, 1], got ", p);
+}
 
 std::tuple<at::Tensor, at::Tensor> bias_dropout_add_fwd_cuda(const at::Tensor& x_,
                                                              const std::optional<at::Tensor>& bias_,
                                                              const at::Tensor& residual_, double p, bool train) {
-  TORCH_CHECK(p >= 0.0 && p <= 1.0, "bias_dropout_add: p must be in [0, 1], got ", p);
+  check_p(p);
+  TORCH_CHECK(residual_.device() == x_.device(), "bias_dropout_add: residual must be on ", x_.device());
   c10::cuda::CUDAGuard guard(x_.device());
   auto x = x_.contiguous();
   auto residual = residual_.contiguous();
@@ -161,6 +207,7 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_add_fwd_cuda(const at::Tensor& x
   at::Tensor bias;
   int64_t cols = 1;
   if (has_bias) {
+    TORCH_CHECK(bias_->device() == x.device(), "bias_dropout_add: bias must be on ", x.device());
     bias = bias_->contiguous();
     TORCH_CHECK(x.dim() >= 1 && bias.dim() == 1 && bias.size(0) == x.size(-1),
                 "bias_dropout_add: bias must have shape (x.size(-1),)");
@@ -168,50 +215,43 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_add_fwd_cuda(const at::Tensor& x
     cols = std::max<int64_t>(bias.size(0), 1);
   }
   auto out = at::empty_like(x);
-  auto rng_state = at::zeros({2}, x.options().dtype(at::kLong));
   const int64_t n = x.numel();
   const bool dropout = train && p > 0.0;
+  // [0, 0] when nothing is drawn (as on CPU); otherwise the forward kernel writes it.
+  auto rng_state = dropout && n > 0 ? at::empty({2}, x.options().dtype(at::kLong))
+                                    : at::zeros({2}, x.options().dtype(at::kLong));
   if (n == 0) return {out, rng_state};
 
-  constexpr int threads = 256;
-  const int64_t blocks4 = (n + 3) / 4;
-  const unsigned grid = grid_for(blocks4, threads);
+  const int64_t grid = grid_for((n + 3) / 4);
+  const int64_t col_step = (4 * grid * kThreads) % cols;
+  const Keep keep{keep_threshold(p), keep_scale(p)};
   at::PhiloxCudaState philox;
   if (dropout) {
-    // Each thread takes one Philox counter per 4-element block at subsequence = block index, so a
-    // call uses counter offsets [offset, offset + 1); reserve 4 to keep PyTorch's multiple-of-4 habit.
-    auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(std::nullopt, at::cuda::detail::getDefaultCUDAGenerator());
+    auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+        std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(x.get_device()));
     std::lock_guard<std::mutex> lock(gen->mutex_);
-    philox = gen->philox_cuda_state(4);
+    philox = gen->philox_cuda_state(kDrawsPerSubsequence);
   }
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bias_dropout_add_fwd_cuda", [&] {
-    const scalar_t* b = has_bias ? bias.const_data_ptr<scalar_t>() : nullptr;
-    const size_t vbytes = 4 * sizeof(scalar_t);
-    const bool vec = n % 4 == 0 && aligned(x.const_data_ptr(), vbytes) && aligned(residual.const_data_ptr(), vbytes) &&
-                     aligned(out.const_data_ptr(), vbytes);
-    const uint64_t threshold = keep_threshold(p);
-    const double scale = keep_scale(p);
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const scalar_t* rp = residual.const_data_ptr<scalar_t>();
+    const scalar_t* bp = has_bias ? bias.const_data_ptr<scalar_t>() : nullptr;
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
-    int64_t* sp = rng_state.mutable_data_ptr<int64_t>();
-    if (dropout && vec) {
-      bias_dropout_add_fwd_kernel<scalar_t, true, true><<<grid, threads, 0, stream>>>(xp, b, rp, op, n, cols, philox, sp, threshold, scale);
-    } else if (dropout) {
-      bias_dropout_add_fwd_kernel<scalar_t, true, false><<<grid, threads, 0, stream>>>(xp, b, rp, op, n, cols, philox, sp, threshold, scale);
-    } else if (vec) {
-      bias_dropout_add_fwd_kernel<scalar_t, false, true><<<grid, threads, 0, stream>>>(xp, b, rp, op, n, cols, philox, sp, threshold, scale);
-    } else {
-      bias_dropout_add_fwd_kernel<scalar_t, false, false><<<grid, threads, 0, stream>>>(xp, b, rp, op, n, cols, philox, sp, threshold, scale);
-    }
+    with_bool(dropout, [&](auto kDropout) {
+      with_bool(vectorizable<scalar_t>(n, {xp, rp, op}), [&](auto kVec) {
+        bias_dropout_add_fwd_kernel<scalar_t, decltype(kDropout)::value, decltype(kVec)::value>
+            <<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(xp, bp, rp, op, n, cols, col_step, philox, keep,
+                                                                   rng_state.mutable_data_ptr<int64_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    });
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, rng_state};
 }
 
 at::Tensor bias_dropout_add_bwd_cuda(const at::Tensor& grad_, const at::Tensor& rng_state_, double p) {
-  TORCH_CHECK(p >= 0.0 && p <= 1.0, "bias_dropout_add: p must be in [0, 1], got ", p);
+  check_p(p);
   TORCH_CHECK(rng_state_.scalar_type() == at::kLong && rng_state_.numel() == 2,
               "bias_dropout_add_bwd: rng_state must be 2 int64 values");
   c10::cuda::CUDAGuard guard(grad_.device());
@@ -220,25 +260,18 @@ at::Tensor bias_dropout_add_bwd_cuda(const at::Tensor& grad_, const at::Tensor& 
   auto dx = at::empty_like(grad);
   const int64_t n = grad.numel();
   if (n == 0) return dx;
-  constexpr int threads = 256;
-  const unsigned grid = grid_for((n + 3) / 4, threads);
+  const int64_t grid = grid_for((n + 3) / 4);
+  const Keep keep{keep_threshold(p), keep_scale(p)};
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "bias_dropout_add_bwd_cuda", [&] {
-    const size_t vbytes = 4 * sizeof(scalar_t);
-    const bool vec = n % 4 == 0 && aligned(grad.const_data_ptr(), vbytes) && aligned(dx.const_data_ptr(), vbytes);
-    const uint64_t threshold = keep_threshold(p);
-    const double scale = keep_scale(p);
-    if (vec) {
-      bias_dropout_add_bwd_kernel<scalar_t, true><<<grid, threads, 0, stream>>>(
-          grad.const_data_ptr<scalar_t>(), dx.mutable_data_ptr<scalar_t>(), n, rng_state.const_data_ptr<int64_t>(),
-          threshold, scale);
-    } else {
-      bias_dropout_add_bwd_kernel<scalar_t, false><<<grid, threads, 0, stream>>>(
-          grad.const_data_ptr<scalar_t>(), dx.mutable_data_ptr<scalar_t>(), n, rng_state.const_data_ptr<int64_t>(),
-          threshold, scale);
-    }
+    const scalar_t* gp = grad.const_data_ptr<scalar_t>();
+    scalar_t* dp = dx.mutable_data_ptr<scalar_t>();
+    with_bool(vectorizable<scalar_t>(n, {gp, dp}), [&](auto kVec) {
+      bias_dropout_add_bwd_kernel<scalar_t, decltype(kVec)::value><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+          gp, dp, n, rng_state.const_data_ptr<int64_t>(), keep);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return dx;
 }
 

@@ -1,10 +1,11 @@
 // Fused Swin window attention scores on CUDA: softmax(attn + relative_pos_bias + attn_mask) over the
 // last dim, and its backward (see csrc/cpu/fmha.cpp for the schemas and shapes).
 //
-// Forward: one warp per row of N <= 1024 scores (two rows at a time, for memory-level parallelism). Each lane keeps its ceil(N/32) values in registers
-// (KPT, a template parameter picked from N), so attn is read once and the output written once; the
-// max and the sum are fp32 (fp64 for double) warp-shuffle reductions. bias/mask rows are tiny and
-// shared by many rows, so they stay in cache.
+// Forward: one warp per row of N <= 1024 scores (two rows at a time, for memory-level parallelism).
+// Each lane keeps its ceil(N/32) values in registers (KPT, a template parameter picked from N), so
+// attn is read once and the output written once; the max and the sum are fp32 (fp64 for double)
+// warp-shuffle reductions. bias/mask rows are tiny and shared by many rows, so they stay in cache.
+// A row of -inf (fully masked) or holding a NaN gives NaN, as torch.softmax does.
 // Backward: dx = y * (g - sum(g * y)) per row, again one warp per row. The bias gradient sums dx over
 // the B*nW windows without atomics: a block owns one (head, query row) pair and one chunk of windows,
 // its warps accumulate that bias row in registers, combine through shared memory in a fixed order and
@@ -16,6 +17,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 #include <torch/types.h>
+
+#include "cuda/fast_div.cuh"
 
 #include <cstdint>
 #include <limits>
@@ -50,13 +53,39 @@ __device__ __forceinline__ double exp_op(double v) { return exp(v); }
 // warp keeps twice the bytes in flight (Swin rows are short: 49 values, under 2 per lane).
 constexpr int kRows = 2;
 
-// Forward. rows = B*nW*nH*N; row r is query i = r % N of head h = (r / N) % nH of window-batch
-// row bw = r / (N*nH), whose mask is window bw % nW. Warp q handles rows kRows*q ... kRows*q+kRows-1.
+// Row r of attn [B*nW, nH, N, N] is query i = r % N of head h = (r / N) % nH of window-batch row
+// bw = r / (N*nH), whose mask is window bw % nW. The three divisions cost more than the softmax of a
+// 49-value row if done as integer divisions, so they are multiply-shifts when rows < 2^31.
+struct RowMap {
+  FastDiv32 N, nH, nW;
+  bool fast;  // rows < 2^31: FastDiv32 applies; else 64-bit division
+};
+
+// Offsets (in rows of N) of row r's bias row h*N + i and mask row (bw % nW)*N + i.
+__device__ __forceinline__ void bias_and_mask_rows(int64_t r, const RowMap& m, int64_t& bias_row,
+                                                   int64_t& mask_row) {
+  if (m.fast) {
+    const uint32_t r32 = static_cast<uint32_t>(r);
+    const uint32_t t = m.N.div(r32), i = r32 - t * m.N.d;
+    const uint32_t bw = m.nH.div(t), h = t - bw * m.nH.d;
+    const uint32_t w = bw - m.nW.div(bw) * m.nW.d;
+    bias_row = static_cast<int64_t>(h) * m.N.d + i;
+    mask_row = static_cast<int64_t>(w) * m.N.d + i;
+  } else {
+    const int64_t N = m.N.d, nH = m.nH.d, nW = m.nW.d;
+    const int64_t t = r / N, i = r - t * N;
+    bias_row = (t % nH) * N + i;
+    mask_row = ((t / nH) % nW) * N + i;
+  }
+}
+
+// Forward. Warp q handles rows kRows*q ... kRows*q+kRows-1.
 template <typename scalar_t, int KPT>
 __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const at::opmath_type<scalar_t>* __restrict__ bias,
                                 const at::opmath_type<scalar_t>* __restrict__ mask, scalar_t* __restrict__ out,
-                                int64_t rows, int N, int nH, int nW) {
+                                int64_t rows, RowMap map) {
   using acc_t = at::opmath_type<scalar_t>;
+  const int N = static_cast<int>(map.N.d);
   const int lane = threadIdx.x % kWarp;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp) * kRows;
   if (first >= rows) return;  // uniform over the warp: whole warps leave, shuffles stay full
@@ -68,13 +97,11 @@ __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const at::opm
     const int64_t row = first + q;
     mx[q] = -std::numeric_limits<acc_t>::infinity();
     const bool valid = row < rows;  // uniform over the warp
-    const int64_t i = row % N;
-    const int64_t t = row / N;
-    const int64_t h = t % nH;
-    const int64_t w = (t / nH) % nW;
+    int64_t bias_row, mask_row;
+    bias_and_mask_rows(row, map, bias_row, mask_row);
     const scalar_t* a = attn + row * N;
-    const acc_t* b = bias + (h * N + i) * N;
-    const acc_t* m = mask != nullptr ? mask + (w * N + i) * N : nullptr;
+    const acc_t* b = bias + bias_row * N;
+    const acc_t* m = mask != nullptr ? mask + mask_row * N : nullptr;
 #pragma unroll
     for (int k = 0; k < KPT; ++k) {
       const int j = lane + k * kWarp;
@@ -248,10 +275,12 @@ at::Tensor fmha_fwd_cuda(const at::Tensor& attn_, const at::Tensor& bias_, const
     at::Tensor mask;
     if (mask_.has_value()) mask = mask_->to(op_dtype).contiguous();
     const acc_t* m = mask.defined() ? mask.const_data_ptr<acc_t>() : nullptr;
+    const RowMap map{FastDiv32(static_cast<uint32_t>(N)), FastDiv32(static_cast<uint32_t>(nH)),
+                     FastDiv32(static_cast<uint32_t>(window_num)), rows <= std::numeric_limits<int32_t>::max()};
     dispatch_kpt(static_cast<int>(N), [&](auto kpt) {
       fmha_fwd_kernel<scalar_t, decltype(kpt)::value><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
           attn.const_data_ptr<scalar_t>(), bias.const_data_ptr<acc_t>(), m, out.mutable_data_ptr<scalar_t>(),
-          rows, static_cast<int>(N), static_cast<int>(nH), static_cast<int>(window_num));
+          rows, map);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
@@ -264,6 +293,7 @@ std::tuple<at::Tensor, at::Tensor> fmha_bwd_cuda(const at::Tensor& grad_, const 
   TORCH_CHECK(grad_.sizes() == out_.sizes(), "fmha_swin_bwd: grad ", grad_.sizes(), " and out ", out_.sizes(),
               " differ in shape");
   TORCH_CHECK(out_.size(2) <= kMaxN, "fmha_swin_bwd: the CUDA kernel handles N <= ", kMaxN);
+  TORCH_CHECK(grad_.device() == out_.device(), "fmha_swin_bwd: grad must be on ", out_.device());
   c10::cuda::CUDAGuard guard(out_.device());
   auto out = out_.contiguous();
   auto grad = grad_.to(out.scalar_type()).contiguous();

@@ -12,22 +12,15 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "cuda/fast_div.cuh"
+
 #include <cstdint>
 #include <limits>
 
 namespace accel {
 namespace {
 
-// n / d for n < 2^31 and 1 <= d < 2^31 by one multiply-high and a shift (Granlund-Montgomery).
-struct FastDiv32 {
-  uint32_t d, magic, shift;
-  explicit FastDiv32(uint32_t divisor) : d(divisor), shift(0) {
-    while ((uint64_t{1} << shift) < divisor) ++shift;
-    magic = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - divisor)) / divisor + 1);
-  }
-  __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, magic) + n) >> shift; }
-};
-
+// Plain 64-bit division, for tensors past FastDiv32's range.
 struct Div64 {
   uint64_t d;
   explicit Div64(uint64_t divisor) : d(divisor) {}

@@ -187,3 +187,139 @@ def test_bad_input_names_argument():
         dropout_add_fused_train(x, torch.randn(3, 4, device="meta"), 0.1)
     with pytest.raises(ValueError, match="x"):
         dropout_add_fused_train(torch.arange(12).reshape(3, 4), x, 0.1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_and_inf_propagate_like_torch_dropout(device):
+    # torch's dropout multiplies by the mask, so a dropped NaN stays NaN and a dropped inf becomes NaN;
+    # the kernels (both devices) must do the same rather than write 0 where an element is dropped.
+    n = 64
+    mask = recover_mask((n,), 0.5, seed=9, device=device)
+    assert mask.any() and not mask.all()
+    x = torch.randn(n, device=device)
+    x[::3] = float("nan")
+    x[1::3] = float("inf")
+    residual = torch.randn(n, device=device)
+    torch.manual_seed(9)
+    x_leaf = x.clone().requires_grad_()
+    out = bias_dropout_add(x_leaf, None, residual, 0.5, True)
+    # mask * x * scale: NaN wherever x is NaN, and wherever x is inf and dropped
+    torch.testing.assert_close(out, by_hand(x, None, residual, mask, 0.5).float(), equal_nan=True)
+    assert torch.equal(out.isnan(), x.isnan() | (x.isinf() & ~mask))
+    g = torch.full((n,), float("nan"), device=device)
+    g[1::2] = 1.0
+    out.backward(g)
+    torch.testing.assert_close(x_leaf.grad, (mask.double() * g.double() * 2.0).float(), equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_misaligned_views_match_aligned_copies(device, dtype):
+    # A view one element into its storage is not 16-byte aligned: the CUDA kernels must take their
+    # element-wise path there (n % 4 == 0 would otherwise pick the vector path). The mask depends on
+    # the element index only, so both paths give the same bits.
+    shape = (6, 20)
+    n = math.prod(shape)
+    g = torch.Generator().manual_seed(0)
+    buf_x = torch.randn(n + 1, generator=g).to(device, dtype)
+    buf_r = torch.randn(n + 1, generator=g).to(device, dtype)
+    bias = torch.randn(shape[-1], generator=g).to(device, dtype)
+    x, residual = buf_x[1:].view(shape), buf_r[1:].view(shape)
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0
+    grad = torch.randn(n + 1, generator=g).to(device, dtype)[1:].view(shape)
+    results = []
+    for xs, rs, gs in ((x, residual, grad), (x.clone(), residual.clone(), grad.clone())):
+        xs = xs.detach().requires_grad_()
+        torch.manual_seed(4)
+        out = bias_dropout_add(xs, bias, rs, 0.4, True)
+        out.backward(gs)
+        results.append((out.detach(), xs.grad))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+CUDA = [pytest.param("cuda", marks=DEVICES[1].marks)]
+
+
+def _fwd_raw(x, bias, residual, p):
+    from accel.runtime.nn.bias_dropout_add import _ops
+    return _ops().bias_dropout_add_fwd(x, bias, residual, p, True)
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_takes_seed_and_offset_from_the_generator(device):
+    # torch.cuda.get_rng_state() is (seed, offset) as two little-endian 64-bit words; the offset counts
+    # 32-bit draws. A call must reserve 4 draws per Philox subsequence and use counter offset / 4.
+    torch.manual_seed(21)
+    torch.rand(1000, device=device)  # move the offset away from 0
+    before = torch.cuda.get_rng_state().view(torch.int64).tolist()
+    _, rng_state = _fwd_raw(torch.ones(10, device=device), None, torch.zeros(10, device=device), 0.5)
+    after = torch.cuda.get_rng_state().view(torch.int64).tolist()
+    assert before[1] % 4 == 0 and before[1] > 0
+    assert rng_state.tolist() == [before[0], before[1] // 4]
+    assert after == [before[0], before[1] + 4]
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_mask_is_the_cpu_mask_of_the_same_rng_state(device):
+    # One (seed, counter) pair means one mask on both devices: the CPU backward, fed the CUDA
+    # forward's rng_state, reproduces the CUDA mask bit for bit.
+    from accel.runtime.nn.bias_dropout_add import _ops
+    n, p = 4099, 0.3
+    torch.manual_seed(2)
+    out, rng_state = _fwd_raw(torch.ones(n, device=device), None, torch.zeros(n, device=device), p)
+    cpu = _ops().bias_dropout_add_bwd(torch.ones(n), rng_state.cpu(), p)
+    assert torch.equal(out.cpu() != 0, cpu != 0)
+    torch.testing.assert_close(out.cpu(), cpu)
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_grid_stride_loop_keeps_the_bias_column(device):
+    # More 4-element groups than the grid has threads (132 SMs * 32 blocks * 256 threads), so every
+    # thread loops and advances its bias column without a division; 1001 columns never align with
+    # the stride. Odd n also exercises the masked tail.
+    shape = (8657, 1001)
+    x, bias, residual = inputs(shape, torch.float32, device)
+    mask = recover_mask(shape, 0.2, seed=12, device=device)
+    torch.manual_seed(12)
+    out = bias_dropout_add(x, bias, residual, 0.2, True)
+    torch.testing.assert_close(out, (residual + mask * (x + bias) / 0.8), **tol(torch.float32))
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_graph_replays_draw_new_masks(device):
+    # Under capture the seed and offset are read on the device at each replay: every replay draws a
+    # new mask, and its rng_state regenerates exactly that mask.
+    from accel.runtime.nn.bias_dropout_add import _ops
+    n, p = 1000, 0.5
+    x, r = torch.ones(n, device=device), torch.zeros(n, device=device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _fwd_raw(x, None, r, p)  # warm-up (and kernel load) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, rng_state = _fwd_raw(x, None, r, p)
+    masks = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        masks.append(out != 0)
+        cpu = _ops().bias_dropout_add_bwd(torch.ones(n), rng_state.cpu(), p)
+        assert torch.equal(masks[-1].cpu(), cpu != 0)
+    assert not torch.equal(masks[0], masks[1])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_second_device():
+    device = "cuda:1"
+    x, bias, residual = inputs((33, 65), torch.float16, device)
+    mask = recover_mask(x.shape, 0.3, seed=3, device=device)
+    torch.manual_seed(3)
+    out = bias_dropout_add(x.requires_grad_(), bias, residual, 0.3, True)
+    assert out.device == torch.device(device)
+    torch.testing.assert_close(out, by_hand(x, bias, residual, mask, 0.3).half(), **tol(torch.float16))
+    g = torch.randn_like(out)
+    out.backward(g)
+    torch.testing.assert_close(x.grad, (mask.double() * g.double() / 0.7).half(), **tol(torch.float16))

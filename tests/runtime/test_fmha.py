@@ -261,3 +261,82 @@ def test_fp32_cpu_accuracy_over_the_whole_score_range():
     normal = ref > 1e-37
     torch.testing.assert_close(y.double()[normal], ref[normal], rtol=2e-6, atol=0)
     assert torch.all(y.double()[~normal] <= 1e-37)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fully_masked_and_nan_rows_match_torch_softmax(device):
+    # torch.softmax gives NaN for a row of -inf and for a row holding a NaN; the kernels must match it
+    # (and leave the other rows finite), not invent zeros or a uniform row.
+    B, nW, nH, N = 1, 2, 2, 40
+    attn = torch.randn(B * nW, nH, N, N, device=device)
+    attn[1, 0, 5, 7] = float("nan")
+    bias = torch.randn(nH, N, N, device=device)
+    mask = torch.zeros(nW, N, N, device=device)
+    mask[0, 3] = float("-inf")  # row 3 of window 0, every head
+    mask[1, 9, ::2] = float("-inf")  # half masked: finite
+    y = FusedSwinFmha.apply(attn, bias, mask, B, nW, nH, N)
+    ref = _swin_reference(attn, bias, mask, B, nW).float()
+    torch.testing.assert_close(y, ref, equal_nan=True)
+    nan_rows = y.isnan().any(-1)
+    assert torch.equal(nan_rows, y.isnan().all(-1))
+    assert nan_rows.sum() == nH + 1
+
+
+def _assert_fp32_matches_swin(attn, bias, mask, B, nW, bias_tol):
+    """FusedSwinFmha on fp32 leaves attn and bias, forward and backward, against the float64
+    reference; bias_tol is the (rtol, atol) of the bias gradient, a sum over B*nW windows."""
+    nH, N = attn.shape[1], attn.shape[-1]
+    a, b = attn.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    ar, br = attn.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
+    y = FusedSwinFmha.apply(a, b, mask, B, nW, nH, N)
+    yr = _swin_reference(ar, br, mask, B, nW)
+    assert y.device == attn.device
+    torch.testing.assert_close(y, yr.float())
+    g = torch.randn_like(y)
+    y.backward(g)
+    yr.backward(g.double())
+    torch.testing.assert_close(a.grad, ar.grad.float())
+    torch.testing.assert_close(b.grad, br.grad.float(), rtol=bias_tol[0], atol=bias_tol[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("N", [513, 1024])
+def test_longest_rows_the_cuda_kernel_takes(device, N):
+    # N in (512, 1024]: 32 values per lane, the largest register tile.
+    torch.manual_seed(0)
+    attn, bias = torch.randn(2, 1, N, N, device=device), torch.randn(1, N, N, device=device)
+    _assert_fp32_matches_swin(attn, bias, _swin_mask(2, N, device), 1, 2, bias_tol=(1e-5, 2e-6))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_more_than_65535_window_heads(device):
+    # B*nW*nH = 66000 window-heads (rows beyond any gridDim.y/z), and enough windows that the CUDA
+    # bias gradient is summed over several chunks.
+    B, nW, nH, N = 1100, 30, 2, 4
+    torch.manual_seed(0)
+    attn, bias = torch.randn(B * nW, nH, N, N, device=device), torch.randn(nH, N, N, device=device)
+    # 33000 fp32 terms per bias element
+    _assert_fp32_matches_swin(attn, bias, _swin_mask(nW, N, device), B, nW, bias_tol=(1e-4, 1e-3))
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=DEVICES[1].marks)])
+def test_cuda_bias_grad_is_bitwise_reproducible(device):
+    # The bias gradient is reduced without atomics in a fixed order: two runs agree to the bit.
+    torch.manual_seed(0)
+    attn = torch.randn(512, 3, 49, 49, device=device, requires_grad=True)
+    bias = torch.randn(3, 49, 49, device=device, requires_grad=True)
+    g = torch.randn(512, 3, 49, 49, device=device)
+    grads = []
+    for _ in range(2):
+        bias.grad = None
+        FusedSwinFmha.apply(attn, bias, None, 512, 1, 3, 49).backward(g)
+        grads.append(bias.grad.clone())
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_second_device():
+    device = "cuda:1"
+    B, nW, nH, N = 2, 2, 3, 49
+    attn, bias = torch.randn(B * nW, nH, N, N, device=device), torch.randn(nH, N, N, device=device)
+    _assert_fp32_matches_swin(attn, bias, _swin_mask(nW, N, device), B, nW, bias_tol=(1e-5, 1e-5))

@@ -57,41 +57,35 @@ def test_references_match_the_definition_written_out():
         assert torch.equal(window_process_reverse_reference(windows, H, W, -shift, ws), x)
 
 
+def _partition_case(B, H, W, C, ws, shift):
+    """(input shape, the op, its plain-PyTorch definition) for WindowProcess."""
+    return ((B, H, W, C), lambda t: WindowProcess.apply(t, B, H, W, C, shift, ws),
+            lambda t: window_partition(torch.roll(t, (shift, shift), (1, 2)), ws))
+
+
+def _reverse_case(B, H, W, C, ws, shift):
+    """The same for WindowProcessReverse."""
+    nW = (H // ws) * (W // ws)
+    return ((B * nW, ws, ws, C), lambda t: WindowProcessReverse.apply(t, B, H, W, C, shift, ws),
+            lambda t: torch.roll(window_reverse(t, ws, H, W), (shift, shift), (1, 2)))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
-def test_partition_forward_backward_match_reference(device, dtype, geometry):
-    B, H, W, C, ws, shift = geometry
+@pytest.mark.parametrize("case", [_partition_case, _reverse_case], ids=["partition", "reverse"])
+def test_forward_backward_match_reference(device, dtype, geometry, case):
+    shape, op, reference = case(*geometry)
     torch.manual_seed(0)
-    x = torch.randn(B, H, W, C, device=device).to(dtype).requires_grad_()
+    x = torch.randn(shape, device=device).to(dtype).requires_grad_()
     xr = x.detach().clone().requires_grad_()
-    y = WindowProcess.apply(x, B, H, W, C, shift, ws)
-    yr = window_partition(torch.roll(xr, (shift, shift), (1, 2)), ws)
+    y, yr = op(x), reference(xr)
     assert y.shape == yr.shape and y.dtype == dtype
     assert torch.equal(y, yr)  # a permutation: bit-exact
     g = torch.randn(yr.shape, device=device).to(dtype)
     y.backward(g)
     yr.backward(g)
     assert torch.equal(x.grad, xr.grad)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
-def test_reverse_forward_backward_match_reference(device, dtype, geometry):
-    B, H, W, C, ws, shift = geometry
-    torch.manual_seed(1)
-    nW = (H // ws) * (W // ws)
-    w = torch.randn(B * nW, ws, ws, C, device=device).to(dtype).requires_grad_()
-    wr = w.detach().clone().requires_grad_()
-    y = WindowProcessReverse.apply(w, B, H, W, C, shift, ws)
-    yr = torch.roll(window_reverse(wr, ws, H, W), (shift, shift), (1, 2))
-    assert y.shape == (B, H, W, C) and y.dtype == dtype
-    assert torch.equal(y, yr)
-    g = torch.randn(yr.shape, device=device).to(dtype)
-    y.backward(g)
-    yr.backward(g)
-    assert torch.equal(w.grad, wr.grad)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -207,3 +201,44 @@ def test_bad_input_names_argument():
         WindowProcessReverse.apply(w, 3, 14, 21, 5, 0, 7)  # 12 windows cannot hold B=3
     with pytest.raises(ValueError, match="window_size"):
         WindowProcessReverse.apply(w, 2, 14, 21, 5, 0, 5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_misaligned_storage_offset(device, dtype):
+    # One element into its storage, a contiguous x is not 16-byte aligned although its 16-channel
+    # rows are a multiple of 16 bytes: the CUDA kernel must copy in narrower words there.
+    B, H, W, C, ws, shift = 2, 8, 12, 16, 4, -2
+    n = B * H * W * C
+    x = torch.randn(n + 1, device=device).to(dtype)[1:].view(B, H, W, C)
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0
+    windows = WindowProcess.apply(x, B, H, W, C, shift, ws)
+    assert torch.equal(windows, window_process_reference(x, shift, ws))
+    w = torch.randn(windows.numel() + 1, device=device).to(dtype)[1:].view(windows.shape)
+    assert torch.equal(WindowProcessReverse.apply(w, B, H, W, C, -shift, ws),
+                       window_process_reverse_reference(w, H, W, -shift, ws))
+
+
+def _cuda_memory_gib():
+    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_cuda_memory_gib() < 40, reason="needs a CUDA device with 40 GiB: four 4.3 GB tensors")
+def test_cuda_64bit_index_path():
+    # 46200 * 46200 one-channel fp16 pixels: 2.13e9 two-byte words, past the kernel's 32-bit path
+    # (2^31 - 2^24 words), so its 64-bit indexing runs.
+    H = W = 46200
+    x = torch.randn(1, H, W, 1, dtype=torch.float16, device="cuda")
+    windows = WindowProcess.apply(x, 1, H, W, 1, -3, 7)
+    assert torch.equal(windows, window_process_reference(x, -3, 7))
+    assert torch.equal(WindowProcessReverse.apply(windows, 1, H, W, 1, 3, 7), x)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_second_device():
+    x = torch.randn(2, 14, 21, 5, device="cuda:1")
+    windows = WindowProcess.apply(x, 2, 14, 21, 5, -3, 7)
+    assert windows.device == x.device
+    assert torch.equal(windows, window_process_reference(x, -3, 7))
+    assert torch.equal(WindowProcessReverse.apply(windows, 2, 14, 21, 5, 3, 7), x)
