@@ -1,8 +1,12 @@
-// Host-side pieces shared by csrc/cpu/fused_adam.cpp and csrc/cuda/fused_adam.cu: the argument
-// checks (so both devices accept exactly the same lists) and the contiguous work copies.
+// Pieces shared by csrc/cpu/fused_adam.cpp and csrc/cuda/fused_adam.cu: the argument checks (so both
+// devices accept exactly the same lists), the contiguous work copies, and the per-element update
+// itself (host and device), so that both devices compute the same values bit for bit.
 #pragma once
 
+#include <c10/macros/Macros.h>
 #include <torch/types.h>
+
+#include <math.h>
 
 #include <vector>
 
@@ -13,7 +17,86 @@ inline at::ScalarType state_dtype_for(at::ScalarType param) {
   return param == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// The kernel works on contiguous memory; a strided tensor is updated through a contiguous copy
+// ---------------------------------------------------------------------------------------------
+// The update of one element.
+//
+// The rounding sequence is pinned: every a*b+c is an explicit fused multiply-add and no other
+// product feeds an addition, so a compiler that contracts a*b+c on its own (GCC does in C++ with
+// -march=native, nvcc does by default) has nothing left whose value it could change. The CPU
+// scalar loop, the CPU AVX-512 loop and the CUDA kernel therefore agree exactly, whatever the
+// chunking or alignment. It follows torch.optim.Adam's single-tensor path operation by operation,
+// except that AdamW's p * (1 - lr*wd) and v * beta2 are fused into the multiply-add that consumes
+// them (at most one rounding apart from torch per step).
+
+C10_HOST_DEVICE inline float fused_mul_add(float a, float b, float c) { return fmaf(a, b, c); }
+C10_HOST_DEVICE inline double fused_mul_add(double a, double b, double c) { return fma(a, b, c); }
+C10_HOST_DEVICE inline float square_root(float a) { return sqrtf(a); }
+C10_HOST_DEVICE inline double square_root(double a) { return sqrt(a); }
+
+// Per-tensor scalars of one step in the math type T. Optional operations are exact no-ops when
+// off (divide by 1, multiply by +1, decay 1), so the element update has no data-dependent branch.
+template <typename T>
+struct Coeffs {
+  T scale;          // grads are divided by it (GradScaler's unscale fused in); 1 when unscaled
+  T sign;           // -1 for maximize
+  T decay;          // AdamW: 1 - lr * wd; 1 otherwise
+  T wd;             // Adam (coupled): g += wd * p
+  T lerp_a;         // exp_avg.lerp_(g, 1 - beta1) as one multiply-add from the nearer end
+  T beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
+  bool lerp_low;    // torch's lerp switches formula at weight 0.5
+};
+
+struct Hyper {
+  double beta1, beta2, eps, weight_decay;
+  bool decoupled, maximize;
+};
+
+// Rounded from double exactly where torch rounds its Python-scalar arguments. `step` is the
+// already incremented count (torch increments before computing the bias corrections).
+template <typename T>
+C10_HOST_DEVICE inline Coeffs<T> coeffs_for(const Hyper& h, double lr, double grad_scale, double step) {
+  Coeffs<T> c;
+  c.scale = static_cast<T>(grad_scale);
+  c.sign = h.maximize ? T(-1) : T(1);
+  c.decay = (h.decoupled && h.weight_decay != 0.0) ? static_cast<T>(1.0 - lr * h.weight_decay) : T(1);
+  c.wd = static_cast<T>(h.weight_decay);
+  const T w = static_cast<T>(1.0 - h.beta1);
+  // torch decides on the weight in the math type, so do we (w = 0.5 - 1e-9 is 0.5f in float)
+  c.lerp_low = (w < T(0) ? -w : w) < T(0.5);
+  c.lerp_a = c.lerp_low ? w : w - T(1);
+  c.beta2 = static_cast<T>(h.beta2);
+  c.one_minus_beta2 = static_cast<T>(1.0 - h.beta2);
+  const double bc1 = 1.0 - pow(h.beta1, step);
+  const double bc2 = 1.0 - pow(h.beta2, step);
+  c.bc2_sqrt = static_cast<T>(sqrt(bc2));
+  c.eps = static_cast<T>(h.eps);
+  c.neg_step_size = static_cast<T>(-(lr / bc1));
+  return c;
+}
+
+// Updates p, m, v (and vmax when amsgrad) of one element in place. `coupled`: Adam's L2 term
+// (weight_decay != 0 and not decoupled). Callers pass compile-time constants where they can.
+template <typename T>
+C10_HOST_DEVICE inline void adam_element(T& p, T g, T& m, T& v, T& vmax, const Coeffs<T>& c, bool amsgrad,
+                                         bool coupled) {
+  T gi = g / c.scale * c.sign;  // the product is exact (sign is +-1): contracting it changes nothing
+  if (coupled) gi = fused_mul_add(c.wd, p, gi);
+  const T mo = m;
+  m = fused_mul_add(c.lerp_a, gi - mo, c.lerp_low ? mo : gi);
+  v = fused_mul_add(c.one_minus_beta2, gi * gi, v * c.beta2);
+  T vx = v;
+  if (amsgrad) {
+    vx = (vmax > v || vmax != vmax) ? vmax : v;  // torch.maximum propagates NaN
+    vmax = vx;
+  }
+  const T denom = square_root(vx) / c.bc2_sqrt + c.eps;
+  p = fused_mul_add(p, c.decay, c.neg_step_size * m / denom);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host-side argument checks and work copies.
+
+// The kernels work on contiguous memory; a strided tensor is updated through a contiguous copy
 // that is written back afterwards (rare: torch hands out dense grads and we create dense state).
 struct Work {
   at::Tensor p, g, m, v, vm;
@@ -46,6 +129,19 @@ inline void check_lists(const at::TensorList& params, const at::TensorList& grad
     TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat,
                 "fused_adam_step: steps[", i, "] must be a one-element float32 tensor");
   }
+}
+
+// Contiguous stand-ins (the tensors themselves where already contiguous).
+inline std::vector<Work> make_work(const at::TensorList& params, const at::TensorList& grads,
+                                   const at::TensorList& exp_avgs, const at::TensorList& exp_avg_sqs,
+                                   const at::TensorList& max_exp_avg_sqs, bool amsgrad) {
+  auto dense = [](const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); };
+  std::vector<Work> work(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    work[i] = Work{dense(params[i]), dense(grads[i]), dense(exp_avgs[i]), dense(exp_avg_sqs[i]),
+                   amsgrad ? dense(max_exp_avg_sqs[i]) : at::Tensor()};
+  }
+  return work;
 }
 
 // Copies the results of strided tensors' contiguous stand-ins back into them.

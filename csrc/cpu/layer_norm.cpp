@@ -20,8 +20,7 @@
 namespace accel {
 namespace {
 
-template <typename T> struct AccOf { using type = float; };
-template <> struct AccOf<double> { using type = double; };
+using namespace layer_norm_host;
 
 // Independent lanes let the compiler vectorize the sums (a single float accumulator is a serial
 // dependency it may not reorder) and keep each lane's rounding error to N/kLanes terms.
@@ -86,45 +85,30 @@ inline void write_row(const T* x, const P* w, const P* b, T* y, int64_t N, acc_t
   }
 }
 
-using namespace layer_norm_host;
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cpu(
     const at::Tensor& x_, const c10::optional<at::Tensor>& weight_, const c10::optional<at::Tensor>& bias_,
     int64_t normalized_ndim, double eps) {
-  const Rows shape = rows_of(x_, normalized_ndim);
-  const int64_t M = shape.M, N = shape.N;  // named variables: lambdas cannot capture bindings in C++17
-  check_params(x_, weight_, bias_, N);
-  auto x = x_.contiguous();
-  c10::optional<at::Tensor> weight, bias;
-  if (weight_.has_value()) weight = weight_->contiguous();
-  if (bias_.has_value()) bias = bias_->contiguous();
-  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
-  auto mean = at::empty({M}, x.options().dtype(stat_type_of(x)));
-  auto rstd = at::empty({M}, x.options().dtype(stat_type_of(x)));
-  if (M == 0) return {y, mean, rstd};
-  dispatch_types(x.scalar_type(), param_type_of(x, weight, bias), [&](auto t, auto p) {
+  Fwd f = prepare_fwd(x_, weight_, bias_, normalized_ndim, eps);
+  const int64_t M = f.M, N = f.N;
+  if (M == 0 || N == 0) return {f.y, f.mean, f.rstd};
+  dispatch_types(f.x.scalar_type(), param_type_of(f.x, f.weight, f.bias), [&](auto t, auto p) {
     using T = decltype(t);
     using P = decltype(p);
     using acc_t = typename AccOf<T>::type;
-    const T* xp = x.const_data_ptr<T>();
-    T* yp = y.mutable_data_ptr<T>();
-    const P* wp = data_or_null<P>(weight);
-    const P* bp = data_or_null<P>(bias);
-    acc_t* mp = mean.mutable_data_ptr<acc_t>();
-    acc_t* rp = rstd.mutable_data_ptr<acc_t>();
+    const auto d = ptrs_of<T, P>(f);
     const acc_t e = static_cast<acc_t>(eps);
-    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1));
+    const int64_t grain = std::max<int64_t>(1, 32768 / N);
     at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        acc_t mu = 0, rs = acc_t(1) / std::sqrt(e);
-        if (N > 0) row_stats<T, acc_t>(xp + r * N, N, e, mu, rs);
-        mp[r] = mu;
-        rp[r] = rs;
-        write_row<T, P, acc_t>(xp + r * N, wp, bp, yp + r * N, N, mu, rs);
+        acc_t mu, rs;
+        row_stats<T, acc_t>(d.x + r * N, N, e, mu, rs);
+        d.mean[r] = mu;
+        d.rstd[r] = rs;
+        write_row<T, P, acc_t>(d.x + r * N, d.w, d.b, d.y + r * N, N, mu, rs);
       }
     });
   });
-  return {y, mean, rstd};
+  return {f.y, f.mean, f.rstd};
 }
 
 // dx = rstd * (w*dy - mean_j(w*dy) - xhat * mean_j(w*dy*xhat)),  xhat = (x - mean) * rstd.
@@ -135,38 +119,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cpu(
     const at::Tensor& dy_, const at::Tensor& x_, const at::Tensor& mean_, const at::Tensor& rstd_,
     const c10::optional<at::Tensor>& weight_, const c10::optional<at::Tensor>& bias_, int64_t normalized_ndim,
     bool need_dweight, bool need_dbias) {
-  const Rows shape = rows_of(x_, normalized_ndim);
-  const int64_t M = shape.M, N = shape.N;  // named variables: lambdas cannot capture bindings in C++17
-  check_params(x_, weight_, bias_, N);
-  check_bwd_args(dy_, x_, mean_, rstd_, weight_, bias_, M, need_dweight, need_dbias);
-  auto x = x_.contiguous();
-  auto dy = dy_.to(x.scalar_type()).contiguous();
-  auto mean = mean_.contiguous();
-  auto rstd = rstd_.contiguous();
-  c10::optional<at::Tensor> weight;
-  if (weight_.has_value()) weight = weight_->contiguous();
-  const at::ScalarType pt = param_type_of(x, weight_, bias_);
-  auto dx = at::empty_like(x, at::MemoryFormat::Contiguous);
-  at::Tensor dweight = need_dweight ? at::empty_like(*weight_, at::MemoryFormat::Contiguous)
-                                    : at::empty({0}, x.options().dtype(pt));
-  at::Tensor dbias = need_dbias ? at::empty_like(*bias_, at::MemoryFormat::Contiguous)
-                                : at::empty({0}, x.options().dtype(pt));
+  Bwd b = prepare_bwd(dy_, x_, mean_, rstd_, weight_, bias_, normalized_ndim, need_dweight, need_dbias);
+  const int64_t M = b.M, N = b.N;
+  if (M == 0 || N == 0) return {b.dx, b.dweight, b.dbias};
   const bool need_params = need_dweight || need_dbias;
-  if (M == 0 || N == 0) {
-    if (need_dweight) dweight.zero_();
-    if (need_dbias) dbias.zero_();
-    return {dx, dweight, dbias};
-  }
-  dispatch_types(x.scalar_type(), pt, [&](auto t, auto p) {
+  dispatch_types(b.x.scalar_type(), b.param_type, [&](auto t, auto p) {
     using T = decltype(t);
     using P = decltype(p);
     using acc_t = typename AccOf<T>::type;
-    const T* xp = x.const_data_ptr<T>();
-    const T* gp = dy.const_data_ptr<T>();
-    const acc_t* mp = mean.const_data_ptr<acc_t>();
-    const acc_t* rp = rstd.const_data_ptr<acc_t>();
-    const P* wp = data_or_null<P>(weight);
-    T* dxp = dx.mutable_data_ptr<T>();
+    const auto d = ptrs_of<T, P>(b);
+    const P* wp = d.w;
     // Blocks of rows: as many as threads (fewer for few rows), each with its own partials.
     const int64_t blocks = need_params ? std::min<int64_t>(at::get_num_threads(), M) : M;
     std::vector<acc_t> partial(need_params ? static_cast<size_t>(blocks) * 2 * N : 0, acc_t(0));
@@ -178,10 +140,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cpu(
         acc_t* pw = need_params ? partial.data() + static_cast<size_t>(blk) * 2 * N : nullptr;
         acc_t* pb = need_params ? pw + N : nullptr;
         for (int64_t r = r0; r < r1; ++r) {
-          const T* xr = xp + r * N;
-          const T* gr = gp + r * N;
-          T* dxr = dxp + r * N;
-          const acc_t mu = mp[r], rs = rp[r];
+          const T* xr = d.x + r * N;
+          const T* gr = d.dy + r * N;
+          T* dxr = d.dx + r * N;
+          const acc_t mu = d.mean[r], rs = d.rstd[r];
           acc_t la[kLanes] = {}, lb[kLanes] = {};
           int64_t j = 0;
           for (; j + kLanes <= N; j += kLanes)
@@ -214,8 +176,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cpu(
       }
     });
     if (!need_params) return;
-    P* dwp = need_dweight ? dweight.mutable_data_ptr<P>() : nullptr;
-    P* dbp = need_dbias ? dbias.mutable_data_ptr<P>() : nullptr;
+    P* dwp = need_dweight ? b.dweight.mutable_data_ptr<P>() : nullptr;
+    P* dbp = need_dbias ? b.dbias.mutable_data_ptr<P>() : nullptr;
     at::parallel_for(0, N, 4096, [&](int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c) {
         acc_t sw = 0, sb = 0;
@@ -228,7 +190,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cpu(
       }
     });
   });
-  return {dx, dweight, dbias};
+  return {b.dx, b.dweight, b.dbias};
 }
 
 }  // namespace

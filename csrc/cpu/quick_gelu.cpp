@@ -31,6 +31,7 @@ at::Tensor quick_gelu_backward_cpu(const at::Tensor& grad_, const at::Tensor& x_
   auto x = x_.contiguous();
   auto grad = grad_.contiguous();
   TORCH_CHECK(grad.sizes() == x.sizes(), "quick_gelu_backward: grad and x differ in shape");
+  TORCH_CHECK(grad.scalar_type() == x.scalar_type(), "quick_gelu_backward: grad must have x's dtype ", x.scalar_type());
   auto dx = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quick_gelu_backward_cpu", [&] {
     using T = at::opmath_type<scalar_t>;

@@ -40,13 +40,16 @@ struct TensorListMeta {
   int n;
 };
 
+// What every block needs besides the tensor list. lr, grad_scale and found_inf may live in device
+// memory (read there, never by the host).
 struct AdamArgs {
-  double lr, beta1, beta2, eps, weight_decay;
+  fused_adam_host::Hyper h;
+  double lr;
   const double* lr_ptr;       // device lr when the user passed a device tensor, else null
   const float* grad_scale;    // null: grads are not scaled
   const float* found_inf;     // null: never skip
   int64_t chunk_size;
-  bool amsgrad, maximize, decoupled;
+  bool amsgrad, coupled;
 };
 
 template <typename T, int N>
@@ -54,68 +57,23 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
-template <typename T>
-struct Coeffs {
-  T scale, decay, wd, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
-  bool lerp_low, scaled, maximize, amsgrad, decoupled, coupled;
-};
-
-template <typename T>
-__device__ __forceinline__ Coeffs<T> coeffs_for(const AdamArgs& a, double step) {
-  Coeffs<T> c;
-  const double lr = a.lr_ptr ? *a.lr_ptr : a.lr;
-  c.scaled = a.grad_scale != nullptr;
-  c.scale = c.scaled ? static_cast<T>(*a.grad_scale) : T(1);
-  c.decay = static_cast<T>(1.0 - lr * a.weight_decay);
-  c.wd = static_cast<T>(a.weight_decay);
-  const double w = 1.0 - a.beta1;
-  c.lerp_w = static_cast<T>(w);
-  c.lerp_low = fabs(w) < 0.5;
-  c.beta2 = static_cast<T>(a.beta2);
-  c.one_minus_beta2 = static_cast<T>(1.0 - a.beta2);
-  const double bc1 = 1.0 - pow(a.beta1, step);
-  const double bc2 = 1.0 - pow(a.beta2, step);
-  c.bc2_sqrt = static_cast<T>(sqrt(bc2));
-  c.eps = static_cast<T>(a.eps);
-  c.neg_step_size = static_cast<T>(-(lr / bc1));
-  c.maximize = a.maximize;
-  c.amsgrad = a.amsgrad;
-  c.decoupled = a.decoupled && a.weight_decay != 0.0;
-  c.coupled = !a.decoupled && a.weight_decay != 0.0;
-  return c;
-}
-
-// One element, in the order of torch.optim.Adam's single-tensor path. Updates p, m, v, vmax in place.
-template <typename T>
-__device__ __forceinline__ void adam_element(T& p, T g, T& m, T& v, T& vmax, const Coeffs<T>& c) {
-  if (c.scaled) g = g / c.scale;
-  if (c.maximize) g = -g;
-  if (c.decoupled) p = p * c.decay;
-  if (c.coupled) g = g + c.wd * p;
-  m = c.lerp_low ? fma(c.lerp_w, g - m, m) : fma(c.lerp_w - T(1), g - m, g);
-  v = v * c.beta2;
-  v = v + c.one_minus_beta2 * g * g;
-  T vx = v;
-  if (c.amsgrad) {
-    vx = (vmax > v || vmax != vmax) ? vmax : v;  // torch.maximum propagates NaN
-    vmax = vx;
-  }
-  const T denom = sqrt(vx) / c.bc2_sqrt + c.eps;
-  p = p + c.neg_step_size * m / denom;
-}
-
 template <typename P>
 __device__ __forceinline__ bool aligned_for(const void* ptr) {
   return reinterpret_cast<uintptr_t>(ptr) % (sizeof(P) * kILP) == 0;
 }
 
+// The per-element math is fused_adam_host::adam_element, the CPU kernel's own: both devices give
+// the same bits (its rounding sequence is pinned against FMA contraction).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMeta meta, const AdamArgs a) {
   using T = at::opmath_type<scalar_t>;
+  using fused_adam_host::adam_element;
   if (a.found_inf != nullptr && *a.found_inf != 0.f) return;
+  const double lr = a.lr_ptr != nullptr ? *a.lr_ptr : a.lr;
+  const double scale = a.grad_scale != nullptr ? static_cast<double>(*a.grad_scale) : 1.0;
   const int64_t total = meta.chunk_start[meta.n];
+  int t = 0;  // a block's chunks only grow, so the tensor search resumes where it stopped
   for (int64_t chunk = blockIdx.x; chunk < total; chunk += gridDim.x) {
-    int t = 0;
     while (chunk >= meta.chunk_start[t + 1]) ++t;
     const int64_t begin = (chunk - meta.chunk_start[t]) * a.chunk_size;
     const int64_t n = min(a.chunk_size, meta.numel[t] - begin);
@@ -124,8 +82,11 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
     T* m = static_cast<T*>(meta.m[t]) + begin;
     T* v = static_cast<T*>(meta.v[t]) + begin;
     T* vm = a.amsgrad ? static_cast<T*>(meta.vm[t]) + begin : nullptr;
-    const Coeffs<T> c = coeffs_for<T>(a, static_cast<double>(*meta.step[t]));
+    const fused_adam_host::Coeffs<T> c =
+        fused_adam_host::coeffs_for<T>(a.h, lr, scale, static_cast<double>(*meta.step[t]));
 
+    // 16-byte accesses (8 for half/bfloat16 params) when every pointer of the chunk allows them;
+    // a chunk of a view that starts mid-vector takes the scalar loop below for all its elements.
     const bool vec = aligned_for<scalar_t>(p) && aligned_for<scalar_t>(g) && aligned_for<T>(m) &&
                      aligned_for<T>(v) && (vm == nullptr || aligned_for<T>(vm));
     int64_t done = 0;
@@ -141,10 +102,8 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
 #pragma unroll
         for (int j = 0; j < kILP; ++j) {
           T pj = static_cast<T>(pp.v[j]);
-          T xj = vm != nullptr ? xp.v[j] : T(0);
-          adam_element<T>(pj, static_cast<T>(gp.v[j]), mp.v[j], vp.v[j], xj, c);
+          adam_element<T>(pj, static_cast<T>(gp.v[j]), mp.v[j], vp.v[j], xp.v[j], c, a.amsgrad, a.coupled);
           pp.v[j] = static_cast<scalar_t>(pj);
-          xp.v[j] = xj;
         }
         reinterpret_cast<Pack<scalar_t, kILP>*>(p)[k] = pp;
         reinterpret_cast<Pack<T, kILP>*>(m)[k] = mp;
@@ -157,7 +116,7 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
       T pi = static_cast<T>(p[i]);
       T mi = m[i], vi = v[i];
       T xi = vm != nullptr ? vm[i] : T(0);
-      adam_element<T>(pi, static_cast<T>(g[i]), mi, vi, xi, c);
+      adam_element<T>(pi, static_cast<T>(g[i]), mi, vi, xi, c, a.amsgrad, a.coupled);
       p[i] = static_cast<scalar_t>(pi);
       m[i] = mi;
       v[i] = vi;
@@ -208,26 +167,17 @@ void fused_adam_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
   }
 
   AdamArgs a{};
+  a.h = Hyper{beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize};
   a.lr = lr;
-  a.beta1 = beta1;
-  a.beta2 = beta2;
-  a.eps = eps;
-  a.weight_decay = weight_decay;
   a.lr_ptr = lr_dev.defined() ? lr_dev.const_data_ptr<double>() : nullptr;
   a.grad_scale = scale_dev.defined() ? scale_dev.const_data_ptr<float>() : nullptr;
   a.found_inf = inf_dev.defined() ? inf_dev.const_data_ptr<float>() : nullptr;
   a.chunk_size = chunk_size;
   a.amsgrad = amsgrad;
-  a.maximize = maximize;
-  a.decoupled = decoupled_weight_decay;
+  a.coupled = !decoupled_weight_decay && weight_decay != 0.0;
 
   // Strided tensors go through contiguous copies written back at the end.
-  std::vector<Work> work(n);
-  for (size_t i = 0; i < n; ++i) {
-    auto c = [](const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); };
-    work[i] = Work{c(params[i]), c(grads[i]), c(exp_avgs[i]), c(exp_avg_sqs[i]),
-                   amsgrad ? c(max_exp_avg_sqs[i]) : at::Tensor()};
-  }
+  const std::vector<Work> work = make_work(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad);
 
   auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;

@@ -23,8 +23,7 @@
 namespace accel {
 namespace {
 
-template <typename T> struct AccOf { using type = float; };
-template <> struct AccOf<double> { using type = double; };
+using namespace layer_norm_host;
 
 template <typename U, int V>
 struct alignas(sizeof(U) * V) Pack {
@@ -284,8 +283,6 @@ __global__ void layer_norm_bwd_params_final_kernel(const acc_t* __restrict__ par
   }
 }
 
-using namespace layer_norm_host;
-
 inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // Team width: the smallest power of two >= 32 with at most 8 vectors per thread, capped at a block.
@@ -310,47 +307,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cuda(
     const at::Tensor& x_, const c10::optional<at::Tensor>& weight_, const c10::optional<at::Tensor>& bias_,
     int64_t normalized_ndim, double eps) {
   c10::cuda::CUDAGuard guard(x_.device());
-  const Rows shape = rows_of(x_, normalized_ndim);
-  const int64_t M = shape.M, N = shape.N;
-  check_params(x_, weight_, bias_, N);
-  auto x = x_.contiguous();
-  c10::optional<at::Tensor> weight, bias;
-  if (weight_.has_value()) weight = weight_->contiguous();
-  if (bias_.has_value()) bias = bias_->contiguous();
-  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
-  auto mean = at::empty({M}, x.options().dtype(stat_type_of(x)));
-  auto rstd = at::empty({M}, x.options().dtype(stat_type_of(x)));
-  if (M == 0) return {y, mean, rstd};
-  if (N == 0) {  // nothing to normalize; the statistics of an empty row
-    mean.zero_();
-    rstd.fill_(1.0 / std::sqrt(eps));
-    return {y, mean, rstd};
-  }
-  dispatch_types(x.scalar_type(), param_type_of(x, weight, bias), [&](auto t, auto p) {
+  Fwd f = prepare_fwd(x_, weight_, bias_, normalized_ndim, eps);
+  const int64_t M = f.M, N = f.N;
+  if (M == 0 || N == 0) return {f.y, f.mean, f.rstd};  // nothing to launch (a grid must not be empty)
+  dispatch_types(f.x.scalar_type(), param_type_of(f.x, f.weight, f.bias), [&](auto t, auto p) {
     using T = decltype(t);
     using P = decltype(p);
     using acc_t = typename AccOf<T>::type;
     constexpr int VEC = 16 / sizeof(T);
-    const T* xp = x.const_data_ptr<T>();
-    T* yp = y.mutable_data_ptr<T>();
-    const P* wp = data_or_null<P>(weight);
-    const P* bp = data_or_null<P>(bias);
-    const bool vec_ok = N % VEC == 0 && aligned(xp, 16) && aligned(yp, 16) &&
-                        (wp == nullptr || aligned(wp, sizeof(P) * VEC)) && (bp == nullptr || aligned(bp, sizeof(P) * VEC));
+    const auto d = ptrs_of<T, P>(f);
+    // Row starts are aligned when the base is and N is a multiple of VEC; a view that starts
+    // mid-vector (x[1:]) takes the scalar kernel.
+    const bool vec_ok = N % VEC == 0 && aligned(d.x, 16) && aligned(d.y, 16) &&
+                        (d.w == nullptr || aligned(d.w, sizeof(P) * VEC)) &&
+                        (d.b == nullptr || aligned(d.b, sizeof(P) * VEC));
     const Launch l = launch_for(M, N, vec_ok ? VEC : 1);
     auto stream = at::cuda::getCurrentCUDAStream();
-    acc_t* mp = mean.mutable_data_ptr<acc_t>();
-    acc_t* rp = rstd.mutable_data_ptr<acc_t>();
     if (vec_ok) {
       layer_norm_fwd_kernel<T, P, VEC><<<l.blocks, l.threads, 0, stream>>>(
-          xp, wp, bp, yp, mp, rp, M, N, static_cast<acc_t>(eps), l.tpr);
+          d.x, d.w, d.b, d.y, d.mean, d.rstd, M, N, static_cast<acc_t>(eps), l.tpr);
     } else {
       layer_norm_fwd_kernel<T, P, 1><<<l.blocks, l.threads, 0, stream>>>(
-          xp, wp, bp, yp, mp, rp, M, N, static_cast<acc_t>(eps), l.tpr);
+          d.x, d.w, d.b, d.y, d.mean, d.rstd, M, N, static_cast<acc_t>(eps), l.tpr);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {y, mean, rstd};
+  return {f.y, f.mean, f.rstd};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
@@ -358,46 +340,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
     const c10::optional<at::Tensor>& weight_, const c10::optional<at::Tensor>& bias_, int64_t normalized_ndim,
     bool need_dweight, bool need_dbias) {
   c10::cuda::CUDAGuard guard(x_.device());
-  const Rows shape = rows_of(x_, normalized_ndim);
-  const int64_t M = shape.M, N = shape.N;
-  check_params(x_, weight_, bias_, N);
-  check_bwd_args(dy_, x_, mean_, rstd_, weight_, bias_, M, need_dweight, need_dbias);
-  auto x = x_.contiguous();
-  auto dy = dy_.to(x.scalar_type()).contiguous();
-  auto mean = mean_.contiguous();
-  auto rstd = rstd_.contiguous();
-  c10::optional<at::Tensor> weight;
-  if (weight_.has_value()) weight = weight_->contiguous();
-  const at::ScalarType pt = param_type_of(x, weight_, bias_);
-  auto dx = at::empty_like(x, at::MemoryFormat::Contiguous);
-  at::Tensor dweight = need_dweight ? at::empty_like(*weight_, at::MemoryFormat::Contiguous)
-                                    : at::empty({0}, x.options().dtype(pt));
-  at::Tensor dbias = need_dbias ? at::empty_like(*bias_, at::MemoryFormat::Contiguous)
-                                : at::empty({0}, x.options().dtype(pt));
-  if (M == 0 || N == 0) {
-    if (need_dweight) dweight.zero_();
-    if (need_dbias) dbias.zero_();
-    return {dx, dweight, dbias};
-  }
+  Bwd b = prepare_bwd(dy_, x_, mean_, rstd_, weight_, bias_, normalized_ndim, need_dweight, need_dbias);
+  const int64_t M = b.M, N = b.N;
+  if (M == 0 || N == 0) return {b.dx, b.dweight, b.dbias};  // nothing to launch
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_types(x.scalar_type(), pt, [&](auto t, auto p) {
+  dispatch_types(b.x.scalar_type(), b.param_type, [&](auto t, auto p) {
     using T = decltype(t);
     using P = decltype(p);
     using acc_t = typename AccOf<T>::type;
     constexpr int VEC = 16 / sizeof(T);
-    const T* xp = x.const_data_ptr<T>();
-    const T* gp = dy.const_data_ptr<T>();
-    const acc_t* mp = mean.const_data_ptr<acc_t>();
-    const acc_t* rp = rstd.const_data_ptr<acc_t>();
-    const P* wp = data_or_null<P>(weight);
-    T* dxp = dx.mutable_data_ptr<T>();
-    const bool vec_ok = N % VEC == 0 && aligned(xp, 16) && aligned(gp, 16) && aligned(dxp, 16) &&
-                        (wp == nullptr || aligned(wp, sizeof(P) * VEC));
+    const auto d = ptrs_of<T, P>(b);
+    const bool vec_ok = N % VEC == 0 && aligned(d.x, 16) && aligned(d.dy, 16) && aligned(d.dx, 16) &&
+                        (d.w == nullptr || aligned(d.w, sizeof(P) * VEC));
     const Launch l = launch_for(M, N, vec_ok ? VEC : 1);
     if (vec_ok) {
-      layer_norm_bwd_dx_kernel<T, P, VEC><<<l.blocks, l.threads, 0, stream>>>(gp, xp, mp, rp, wp, dxp, M, N, l.tpr);
+      layer_norm_bwd_dx_kernel<T, P, VEC><<<l.blocks, l.threads, 0, stream>>>(
+          d.dy, d.x, d.mean, d.rstd, d.w, d.dx, M, N, l.tpr);
     } else {
-      layer_norm_bwd_dx_kernel<T, P, 1><<<l.blocks, l.threads, 0, stream>>>(gp, xp, mp, rp, wp, dxp, M, N, l.tpr);
+      layer_norm_bwd_dx_kernel<T, P, 1><<<l.blocks, l.threads, 0, stream>>>(
+          d.dy, d.x, d.mean, d.rstd, d.w, d.dx, M, N, l.tpr);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (!need_dweight && !need_dbias) return;
@@ -411,20 +372,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
     const int64_t rows_per_chunk = (M + chunks - 1) / chunks;
     chunks = (M + rows_per_chunk - 1) / rows_per_chunk;
     TORCH_CHECK(col_tiles <= 0x7fffffff, "layer_norm_bwd: normalized size too large");
-    auto partial = at::empty({chunks, 2, N}, x.options().dtype(stat_type_of(x)));
+    auto partial = at::empty({chunks, 2, N}, b.x.options().dtype(stat_type_of(b.x)));
     layer_norm_bwd_params_partial_kernel<T><<<dim3((unsigned)col_tiles, (unsigned)chunks), dim3(kCols, kRowThreads),
-                                              0, stream>>>(gp, xp, mp, rp, partial.mutable_data_ptr<acc_t>(), M, N,
+                                              0, stream>>>(d.dy, d.x, d.mean, d.rstd, partial.mutable_data_ptr<acc_t>(), M, N,
                                                            rows_per_chunk);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    P* dwp = need_dweight ? dweight.mutable_data_ptr<P>() : nullptr;
-    P* dbp = need_dbias ? dbias.mutable_data_ptr<P>() : nullptr;
+    P* dwp = need_dweight ? b.dweight.mutable_data_ptr<P>() : nullptr;
+    P* dbp = need_dbias ? b.dbias.mutable_data_ptr<P>() : nullptr;
     const int threads = 256;
     const int64_t blocks = std::min<int64_t>((N + threads - 1) / threads, sms * 32);
     layer_norm_bwd_params_final_kernel<acc_t, P><<<(unsigned)std::max<int64_t>(blocks, 1), threads, 0, stream>>>(
         partial.const_data_ptr<acc_t>(), dwp, dbp, chunks, N);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {dx, dweight, dbias};
+  return {b.dx, b.dweight, b.dbias};
 }
 
 }  // namespace

@@ -135,15 +135,18 @@ def test_mixed_dtypes_and_many_tensors_in_one_group(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("chunk_size", [1, 3, 64])
-def test_small_chunks_exercise_offsets(device, dtype, chunk_size):
+@pytest.mark.parametrize("decoupled", [False, True], ids=["adam", "adamw"])
+def test_small_chunks_exercise_offsets(device, dtype, chunk_size, decoupled):
     # Many chunks per tensor: the chunk -> (tensor, offset) arithmetic at small scale. Elements are
     # independent, so the result must not depend on the chunking at all (chunks under 16 elements
-    # also take the CPU kernel's scalar loop, the default chunk its vector loop: they must agree).
+    # also take the CPU kernel's scalar loop, the default chunk its vector loop; on CUDA chunks of 1
+    # and 3 elements start unaligned and take the scalar loop, 64 the vector loop: they must agree).
     a = _params(device, dtype, shapes=[(1001,), (7,), (130,), (0,), (1,)])
     b, ra = _clone(a), _clone(a)
-    small = FusedAdam(a, lr=1e-2, amsgrad=True, weight_decay=0.1, chunk_size=chunk_size)
-    big = FusedAdam(b, lr=1e-2, amsgrad=True, weight_decay=0.1)
-    ref = torch.optim.Adam(ra, lr=1e-2, amsgrad=True, weight_decay=0.1, foreach=False)
+    kw = dict(lr=1e-2, amsgrad=True, weight_decay=0.1, decoupled_weight_decay=decoupled)
+    small = FusedAdam(a, chunk_size=chunk_size, **kw)
+    big = FusedAdam(b, **kw)
+    ref = torch.optim.Adam(ra, foreach=False, **kw)
     for step in range(4):
         grads = _grads(a, step)
         for opt, ps in ((small, a), (big, b), (ref, ra)):
@@ -402,6 +405,83 @@ def test_sparse_grad_is_rejected_and_nothing_changes():
         assert torch.equal(p, q)
     with pytest.raises(ValueError, match="found_inf"):
         opt.step(found_inf=1.0)
+
+
+def _kernel_run(device, dtype, views, *, steps=3, chunk_size=5, **kw):
+    """fused_adam_step over `views(device)` (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq lists
+    built from the same seeded values on every device); returns every tensor, on the CPU."""
+    ps, gs, ms, vs, xs = views(device, dtype)
+    st = [torch.zeros((), device=device) for _ in ps]
+    scale = torch.tensor(4.0, device=device)
+    for k in range(steps):
+        fused_adam_step(ps, [g * (k + 1) for g in gs], ms, vs, xs, st, chunk_size=chunk_size, grad_scale=scale,
+                        found_inf=torch.zeros((), device=device), **kw)
+    return [t.cpu() for t in ps + ms + vs + xs + st]
+
+
+def _awkward_views(device, dtype):
+    """Odd sizes, a tensor of a view that starts mid-vector (not 16-byte aligned), a transposed
+    (non-contiguous) one and an empty one: every path of the kernels' alignment and layout logic."""
+    gen = torch.Generator().manual_seed(3)
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def make(shape, dt):
+        return torch.randn(shape, generator=gen).to(device=device, dtype=dt)
+
+    def lists(dt, positive=False):
+        base = make((1 + 1029,), dt)
+        out = [make((1029,), dt), base[1:], make((33, 9), dt).t(), make((0,), dt), make((1,), dt)]
+        return [t.abs() for t in out] if positive else out
+
+    return lists(dtype), lists(dtype), lists(sdt), lists(sdt, True), lists(sdt, True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("decoupled", [False, True], ids=["adam", "adamw"])
+def test_cuda_kernel_equals_cpu_kernel(dtype, decoupled):
+    # Both devices run fused_adam_host::adam_element with a pinned rounding sequence: the same bits
+    # for unaligned views, strided tensors, odd sizes and chunk starts mid-vector. float64 may differ
+    # in the last bit of the bias corrections (the device's pow is not correctly rounded).
+    kw = dict(lr=torch.tensor(1e-2), beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=True,
+              maximize=True, decoupled_weight_decay=decoupled)
+    cpu = _kernel_run("cpu", dtype, _awkward_views, **kw)
+    cuda = _kernel_run("cuda", dtype, _awkward_views, **kw)
+    for c, g in zip(cpu, cuda):
+        if dtype == torch.float64:
+            torch.testing.assert_close(g, c, rtol=1e-14, atol=1e-15)
+        else:
+            assert torch.equal(g, c)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_step_never_waits_for_the_device():
+    # GradScaler's found_inf / grad_scale and a tensor lr stay on the GPU: no host synchronisation.
+    a = _params("cuda")
+    opt = FusedAdamW(a, lr=torch.tensor(1e-2, device="cuda"), amsgrad=True)
+    found, scale = torch.zeros((), device="cuda"), torch.tensor(2.0, device="cuda")
+    _set_grads(a, _grads(a, 0))
+    opt.step(found_inf=found, grad_scale=scale)  # builds/loads the kernels and creates the state
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step(found_inf=found, grad_scale=scale)
+        opt.step(found_inf=found + 1, grad_scale=scale)  # a skipped step decides on the device, too
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+    assert opt.state[a[0]]["step"].item() == 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_params_on_a_second_device():
+    # Params on cuda:1 while cuda:0 is current: the kernel must run on (and allocate on) cuda:1.
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, amsgrad=True, maximize=False,
+              decoupled_weight_decay=True)
+    cpu = _kernel_run("cpu", torch.float32, _awkward_views, **kw)
+    with torch.cuda.device(0):
+        other = _kernel_run("cuda:1", torch.float32, _awkward_views, **kw)
+    for c, g in zip(cpu, other):
+        assert torch.equal(g, c)
 
 
 def _free_bytes() -> int:

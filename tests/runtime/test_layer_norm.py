@@ -6,7 +6,7 @@ from torch import nn
 from accel.runtime.nn.layer_norm import FusedLayerNorm, fused_layer_norm, layer_norm_reference
 from accel.utils.xla import xla_available
 
-from ._params import DEVICES, DTYPES, tol
+from ._params import DEVICES, DTYPES, NO_CUDA, tol
 
 # (input shape, normalized_shape): odd sizes, one-element rows, multi-dim normalized shapes, empty.
 # On CUDA, 768 takes one warp per row, 2000 two warps per row with a half-empty last block of
@@ -148,6 +148,71 @@ def test_misaligned_storage(device, dtype):
     torch.testing.assert_close(dw, dwr.to(dtype), **_grads_tol(dtype))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_rows_cover_the_grid_stride_loops(device):
+    """40000 rows of 8: on CUDA more row groups than the forward/dx grid has blocks (132 SMs x 64
+    blocks x 4 rows), and 625 row chunks in the dweight/dbias reduction."""
+    torch.manual_seed(11)
+    x = torch.randn(40000, 8, device=device) * 3 + 1
+    w = torch.randn(8, device=device)
+    b = torch.randn(8, device=device)
+    g = torch.randn(40000, 8, device=device)
+    y, (dx, dw, db) = _run(lambda x, w, b: fused_layer_norm(x, 8, w, b), x, w, b, g)
+    yr, (dxr, dwr, dbr) = _run(lambda x, w, b: F.layer_norm(x, (8,), w, b), x.double(), w.double(), b.double(),
+                               g.double())
+    torch.testing.assert_close(y, yr.float(), **tol(torch.float32))
+    torch.testing.assert_close(dx, dxr.float(), **_grads_tol(torch.float32))
+    torch.testing.assert_close(dw, dwr.float(), rtol=1e-4, atol=1e-3)  # sums of 40000 rows
+    torch.testing.assert_close(db, dbr.float(), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_wide_bf16_rows_with_fp32_params(device):
+    """65544-wide bf16 rows (a multiple of the 8-wide vector but not of the 1024-thread team, so the
+    last vectors leave part of the team idle) with fp32 master params."""
+    torch.manual_seed(12)
+    n = 65536 + 8
+    x = torch.randn(2, n, device=device).bfloat16()
+    w = torch.randn(n, device=device) + 1
+    b = torch.randn(n, device=device)
+    g = torch.randn(2, n, device=device).bfloat16()
+    y, (dx, dw, db) = _run(lambda x, w, b: fused_layer_norm(x, n, w, b), x, w, b, g)
+    yr, (dxr, dwr, dbr) = _run(lambda x, w, b: F.layer_norm(x, (n,), w, b), x.double(), w.double(), b.double(),
+                               g.double())
+    assert y.dtype == dx.dtype == torch.bfloat16 and dw.dtype == db.dtype == torch.float32
+    torch.testing.assert_close(y, yr.bfloat16(), **tol(torch.bfloat16))
+    torch.testing.assert_close(dx, dxr.bfloat16(), **tol(torch.bfloat16))
+    torch.testing.assert_close(dw, dwr.float(), **_grads_tol(torch.float32))
+    torch.testing.assert_close(db, dbr.float(), **_grads_tol(torch.float32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_backward_refuses_inputs_on_another_device():
+    """The op itself (not only the Python wrapper) must refuse host statistics for CUDA x: its
+    kernel would dereference host pointers on the GPU."""
+    x = torch.randn(4, 16, device="cuda")
+    _, mean, rstd = torch.ops.accel.layer_norm_fwd(x, None, None, 1, 1e-5)
+    with pytest.raises(RuntimeError, match="device"):
+        torch.ops.accel.layer_norm_bwd(torch.ones_like(x), x, mean.cpu(), rstd.cpu(), None, None, 1, False, False)
+    with pytest.raises(RuntimeError, match="device"):
+        torch.ops.accel.layer_norm_bwd(torch.ones(4, 16), x, mean, rstd, None, None, 1, False, False)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_tensors_on_a_second_device():
+    """x on cuda:1 while cuda:0 is current: the kernels must run on cuda:1 and its stream."""
+    torch.manual_seed(13)
+    x = torch.randn(6, 300)
+    w, b, g = torch.randn(300), torch.randn(300), torch.randn(6, 300)
+    with torch.cuda.device(0):
+        y, grads = _run(lambda x, w, b: fused_layer_norm(x, 300, w, b), *(t.to("cuda:1") for t in (x, w, b, g)))
+    yr, grads_r = _run(lambda x, w, b: F.layer_norm(x, (300,), w, b), x.double(), w.double(), b.double(), g.double())
+    assert y.device == torch.device("cuda:1")
+    torch.testing.assert_close(y.cpu(), yr.float(), **tol(torch.float32))
+    for got, want in zip(grads, grads_r):
+        torch.testing.assert_close(got.cpu(), want.float(), **_grads_tol(torch.float32))
+
+
 def test_params_of_another_dtype_are_cast():
     """fp32 x with bf16 weight (a mix the kernels do not take): cast, gradient back in bf16."""
     torch.manual_seed(4)
@@ -159,11 +224,12 @@ def test_params_of_another_dtype_are_cast():
     assert w.grad.dtype == torch.bfloat16
 
 
-def test_gradcheck_float64_cpu():
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck_float64(device):
     torch.manual_seed(5)
-    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 3, 5, dtype=torch.float64, device=device, requires_grad=True)
+    w = torch.randn(3, 5, dtype=torch.float64, device=device, requires_grad=True)
+    b = torch.randn(3, 5, dtype=torch.float64, device=device, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x, w, b: fused_layer_norm(x, (3, 5), w, b), (x, w, b))
     assert torch.autograd.gradcheck(lambda x: fused_layer_norm(x, 5), (x,))
 
