@@ -309,6 +309,18 @@ def test_xla_params_take_the_reference_path():
     assert ours.state[xs[0]]["step"].cpu().item() == 2
 
 
+def _step_both_and_compare(opt_a, params_a, opt_b, params_b, steps):
+    """Feed both optimizers the same gradients for `steps`, then require the same weights."""
+    for step in steps:
+        grads = _grads(params_b, step)
+        _set_grads(params_a, grads)
+        _set_grads(params_b, grads)
+        opt_a.step()
+        opt_b.step()
+    for p, q in zip(params_a, params_b):
+        torch.testing.assert_close(p, q, **FP32)
+
+
 def test_state_dict_round_trip_through_torch_adam():
     a = _params("cpu")
     ours = FusedAdam(a, lr=1e-2, amsgrad=True)
@@ -321,14 +333,7 @@ def test_state_dict_round_trip_through_torch_adam():
     t = _clone(a)
     torch_opt = torch.optim.Adam(t, lr=1e-2, amsgrad=True, foreach=False)
     torch_opt.load_state_dict(sd)
-    for step in range(5, 8):
-        grads = _grads(a, step)
-        _set_grads(a, grads)
-        _set_grads(t, grads)
-        ours.step()
-        torch_opt.step()
-    for p, q in zip(a, t):
-        torch.testing.assert_close(p, q, **FP32)
+    _step_both_and_compare(ours, a, torch_opt, t, range(5, 8))
     # And back: a fresh FusedAdam loaded from torch's state dict continues like torch.
     back_params = _clone(t)
     back = FusedAdam(back_params, lr=1.0)
@@ -336,14 +341,7 @@ def test_state_dict_round_trip_through_torch_adam():
     assert back.param_groups[0]["lr"] == 1e-2 and back.param_groups[0]["amsgrad"]
     step_t = back.state[back_params[0]]["step"]
     assert step_t.dtype == torch.float32 and step_t.item() == 8
-    for step in range(8, 10):
-        grads = _grads(t, step)
-        _set_grads(back_params, grads)
-        _set_grads(t, grads)
-        back.step()
-        torch_opt.step()
-    for p, q in zip(back_params, t):
-        torch.testing.assert_close(p, q, **FP32)
+    _step_both_and_compare(back, back_params, torch_opt, t, range(8, 10))
 
 
 def test_state_dict_keeps_fp32_state_of_bf16_params():
