@@ -1,8 +1,11 @@
 """Fused Adam and AdamW: every parameter of a group updated by one multi-tensor kernel call.
 
 `FusedAdam` / `FusedAdamW` take torch.optim.Adam / AdamW's constructor and follow their formulas
-(torch's single-tensor path) exactly: Adam's weight_decay adds wd * p to the grad, AdamW multiplies
-p by 1 - lr * wd, bias corrections from a per-parameter step count, amsgrad's running max, maximize.
+(torch's single-tensor path): Adam's weight_decay adds wd * p to the grad, AdamW multiplies p by
+1 - lr * wd, bias corrections from a per-parameter step count, amsgrad's running max, maximize.
+Each element's update is one fixed sequence of roundings (csrc/fused_adam_host.h), the same on the
+CPU (scalar and AVX-512) and CUDA paths, so chunking never changes a result; it may differ from
+torch's by one rounding per step where the kernel fuses a multiply into an add.
 
 Precision: fp32, fp16 and bf16 parameters keep their state (exp_avg, exp_avg_sq, max_exp_avg_sq) in
 fp32 (fp64 parameters in fp64). A reduced-precision parameter is widened to fp32, updated in fp32
