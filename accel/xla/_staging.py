@@ -78,3 +78,26 @@ def unflatten_into(tensors: list[torch.Tensor], idx: list[int], flat: torch.Tens
             n = tensors[i].numel()
             tensors[i].copy_(flat[offset : offset + n].view_as(tensors[i]))
             offset += n
+
+
+# -- data movement (scatter, gather, all_to_all, send/recv) ---------------------------------------
+# These collectives only copy bits, so they travel as bytes: gloo then carries every dtype
+# (it has no int16 or complex kernels) and one code path serves them all.
+
+
+def host_buffer_like(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host tensor of t's shape and dtype for gloo to write into."""
+    return torch.empty(t.shape, dtype=t.dtype)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a host tensor as a flat uint8 tensor; a view (shared memory) when t is contiguous."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def rows_as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a host tensor as (t.shape[0], bytes per row): split sizes along dim 0 keep their meaning."""
+    row_numel = 1
+    for n in t.shape[1:]:
+        row_numel *= n
+    return t.reshape(t.shape[0], row_numel).view(torch.uint8)

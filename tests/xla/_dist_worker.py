@@ -68,6 +68,65 @@ if mode == "full":
     dist.all_gather_object(objs, {"rank": rank})
     res["all_gather_object"] = objs
 
+    # scatter / gather / all-to-all / point to point: XLA tensors through dist.<fn>.
+    for src in (0, 1):
+        out = torch.zeros(2, device=dev)
+        chunks = [torch.tensor([src * 10.0 + i, -1.0], device=dev) for i in range(2)] if rank == src else None
+        dist.scatter(out, chunks, src=src)
+        res[f"scatter_from_{src}"] = out.cpu().tolist()
+    gathered = [torch.zeros(2, device=dev) for _ in range(2)] if rank == 0 else None
+    dist.gather(torch.tensor([rank * 10.0 + 1, rank * 10.0 + 2], device=dev), gathered, dst=0)
+    res["gather_to_0"] = [g.cpu().tolist() for g in gathered] if gathered else None
+    out = torch.zeros(4, device=dev)
+    dist.all_to_all_single(out, torch.arange(4.0, device=dev) + 10 * rank)
+    res["all_to_all_single_even"] = out.cpu().tolist()
+    # Rows of 2: rank 0 keeps 1 row and sends 2 to rank 1; rank 1 sends all 3 to rank 0.
+    in_splits, out_splits = [([1, 2], [1, 3]), ([3, 0], [2, 0])][rank]
+    out = torch.zeros(sum(out_splits), 2, device=dev)
+    dist.all_to_all_single(out, (torch.arange(6.0) + 10 * rank).reshape(3, 2).to(dev), out_splits, in_splits)
+    res["all_to_all_single_uneven"] = out.cpu().tolist()
+    outs = [torch.zeros(rank + 1, device=dev) for _ in range(2)]  # rank r gets r + 1 elements from each
+    dist.all_to_all(outs, [torch.full((i + 1,), 10.0 * rank + i, device=dev) for i in range(2)])
+    res["all_to_all"] = [o.cpu().tolist() for o in outs]
+
+    if rank == 0:
+        dist.send(torch.tensor([5.0, 6.0], device=dev), dst=1)
+        dist.send(torch.tensor([7.0], device=dev), dst=1, tag=4)
+    else:
+        got = torch.zeros(2, device=dev)
+        dist.recv(got, src=0)
+        res["recv"] = got.cpu().tolist()
+        got = torch.zeros(1, device=dev)
+        res["recv_any_sender"] = dist.recv(got, tag=4)  # no src: any source, which recv returns
+        res["recv_any"] = got.cpu().tolist()
+    peer = 1 - rank
+    got = torch.zeros(2, device=dev)
+    # Both ranks post the receive first: only works if receives stay in flight.
+    mine = torch.tensor([rank * 10.0, 1.0], device=dev)
+    ops = [dist.P2POp(dist.irecv, got, peer), dist.P2POp(dist.isend, mine, peer)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    res["batch_isend_irecv"] = got.cpu().tolist()
+    got = torch.zeros(1, device=dev)
+    recv_work = dist.irecv(got, src=peer)
+    dist.isend(torch.tensor([rank + 100.0], device=dev), dst=peer).wait()
+    recv_work.wait()
+    res["isend_irecv"] = got.cpu().tolist()
+
+    # Object collectives: byte tensors on CPU by default, on XLA when asked (device=...).
+    objs = [{"from": 0, "x": [1, 2]}, "second"] if rank == 0 else [None, None]
+    dist.broadcast_object_list(objs, src=0)
+    res["broadcast_object_list"] = objs
+    objs = [rank * 3 + 1]
+    dist.broadcast_object_list(objs, src=1, device=dev)
+    res["broadcast_object_list_xla"] = objs
+    gathered = [None, None] if rank == 0 else None
+    dist.gather_object({"rank": rank, "sq": rank * rank}, gathered, dst=0)
+    res["gather_object"] = gathered
+    received = [None]
+    dist.scatter_object_list(received, [{"to": i} for i in range(2)] if rank == 1 else None, src=1)
+    res["scatter_object_list"] = received[0]
+
     c = torch.tensor([rank + 1.0])  # a CPU tensor through the same group
     dist.all_reduce(c)
     res["cpu_all_reduce"] = c.tolist()

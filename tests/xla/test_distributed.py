@@ -69,6 +69,47 @@ def test_torch_distributed_collectives_are_cross_process(full_run):
 
 
 @pytest.mark.slow
+def test_scatter_gather_and_all_to_all_move_xla_tensors(full_run):
+    _, ranks = full_run
+    for r, res in enumerate(ranks):
+        assert res["scatter_from_0"] == [0.0 + r, -1.0]  # root src sends [src * 10 + r, -1] to rank r
+        assert res["scatter_from_1"] == [10.0 + r, -1.0]
+    assert ranks[0]["gather_to_0"] == [[1.0, 2.0], [11.0, 12.0]]
+    assert ranks[1]["gather_to_0"] is None
+    # rank r's input is arange(4) + 10 r; rank i gets elements 2i, 2i + 1 of each.
+    assert ranks[0]["all_to_all_single_even"] == [0.0, 1.0, 10.0, 11.0]
+    assert ranks[1]["all_to_all_single_even"] == [2.0, 3.0, 12.0, 13.0]
+    # rank r's input rows are [10r, 10r + 1], [10r + 2, ...], [10r + 4, ...]; splits 1/2 and 3/0.
+    assert ranks[0]["all_to_all_single_uneven"] == [[0.0, 1.0], [10.0, 11.0], [12.0, 13.0], [14.0, 15.0]]
+    assert ranks[1]["all_to_all_single_uneven"] == [[2.0, 3.0], [4.0, 5.0]]
+    # rank r sends i + 1 copies of 10r + i to rank i.
+    assert ranks[0]["all_to_all"] == [[0.0], [10.0]]
+    assert ranks[1]["all_to_all"] == [[1.0, 1.0], [11.0, 11.0]]
+
+
+@pytest.mark.slow
+def test_point_to_point_moves_xla_tensors(full_run):
+    _, ranks = full_run
+    assert ranks[1]["recv"] == [5.0, 6.0]
+    assert ranks[1]["recv_any"] == [7.0] and ranks[1]["recv_any_sender"] == 0
+    for r, res in enumerate(ranks):
+        peer = 1 - r
+        assert res["batch_isend_irecv"] == [peer * 10.0, 1.0]
+        assert res["isend_irecv"] == [peer + 100.0]
+
+
+@pytest.mark.slow
+def test_object_collectives(full_run):
+    _, ranks = full_run
+    for r, res in enumerate(ranks):
+        assert res["broadcast_object_list"] == [{"from": 0, "x": [1, 2]}, "second"]
+        assert res["broadcast_object_list_xla"] == [4]  # rank 1's 1 * 3 + 1
+        assert res["scatter_object_list"] == {"to": r}
+    assert ranks[0]["gather_object"] == [{"rank": 0, "sq": 0}, {"rank": 1, "sq": 1}]
+    assert ranks[1]["gather_object"] is None
+
+
+@pytest.mark.slow
 def test_accel_all_reduce_semantics_across_processes(full_run):
     _, ranks = full_run
     for r, res in enumerate(ranks):
