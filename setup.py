@@ -5,6 +5,7 @@ op in csrc/ (CUDA sources too when the installed torch sees a GPU) into accel/_e
 nothing here imports torch and the kernels are JIT-built on first use.
 """
 import os
+import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -19,6 +20,8 @@ def _extensions():
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     with_cuda = torch.cuda.is_available() or os.environ.get("ACCEL_BUILD_CUDA") == "1"
+    # OpenMP: at::parallel_for only runs in parallel in code compiled with it (see _build.py).
+    omp = ["-fopenmp"] if sys.platform.startswith("linux") else []
     exts = []
     for cpp in sorted((ROOT / "csrc" / "cpu").glob("*.cpp")):
         op = cpp.stem
@@ -28,10 +31,11 @@ def _extensions():
             sources.append(f"csrc/cuda/{op}.cu")
             exts.append(CUDAExtension(f"accel._ext.{op}", sources, include_dirs=[str(ROOT / "csrc")],
                                       define_macros=[("WITH_CUDA", None)],
-                                      extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]}))
+                                      extra_compile_args={"cxx": ["-O3"] + omp, "nvcc": ["-O3"]},
+                                      extra_link_args=omp))
         else:
             exts.append(CppExtension(f"accel._ext.{op}", sources, include_dirs=[str(ROOT / "csrc")],
-                                     extra_compile_args=["-O3"]))
+                                     extra_compile_args=["-O3"] + omp, extra_link_args=omp))
     return exts, {"build_ext": BuildExtension}
 
 

@@ -98,6 +98,17 @@ def load(op: str) -> ModuleType:
         return _jit_build(op)
 
 
+# at::parallel_for is a header template that runs in parallel only when the including code is
+# compiled with OpenMP; without it every CPU kernel would run on one thread. The GOMP symbols bind
+# to the runtime torch already loaded globally, so torch.set_num_threads governs our kernels too.
+OPENMP_FLAGS = ["-fopenmp"] if sys.platform.startswith("linux") else []
+
+
+def cxx_flags(cuda: bool) -> list[str]:
+    # JIT builds run where they are used, so they may target this CPU's vector units.
+    return ["-O3", "-march=native"] + OPENMP_FLAGS + (["-DWITH_CUDA"] if cuda else [])
+
+
 def _jit_build(op: str) -> ModuleType:
     from torch.utils import cpp_extension
 
@@ -114,8 +125,8 @@ def _jit_build(op: str) -> ModuleType:
         module = cpp_extension.load(
             name=f"accel_{op}",
             sources=srcs,
-            # JIT builds run where they are used, so they may target this CPU's vector units.
-            extra_cflags=["-O3", "-march=native"] + (["-DWITH_CUDA"] if cuda else []),
+            extra_cflags=cxx_flags(cuda),
+            extra_ldflags=OPENMP_FLAGS,
             extra_cuda_cflags=["-O3"] if cuda else None,
             extra_include_paths=[str(csrc_dir())],
             build_directory=str(build_dir(op)),
@@ -131,6 +142,7 @@ def _jit_build(op: str) -> ModuleType:
 
 def _fingerprint(srcs: list[str]) -> str:
     h = hashlib.sha256(torch.__version__.encode())
+    h.update(" ".join(cxx_flags(False)).encode())
     headers = sorted(csrc_dir().rglob("*.h")) + sorted(csrc_dir().rglob("*.cuh"))
     for path in [Path(s) for s in srcs] + headers:
         h.update(path.name.encode())

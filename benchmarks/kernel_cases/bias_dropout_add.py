@@ -14,7 +14,7 @@ def cases(device: str, quick: bool) -> list[Case]:
     rows_list = [64, 1024] if quick else [1024, 16384, 65536]  # x rows of HIDDEN: 64K .. 64M elements
     compiled_ref = torch.compile(bias_dropout_add_reference)
     out = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for rows in rows_list:
             x = torch.randn(rows, HIDDEN, device=device, dtype=dtype)
             bias = torch.randn(HIDDEN, device=device, dtype=dtype)

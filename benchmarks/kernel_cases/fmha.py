@@ -21,7 +21,7 @@ def cases(device: str, quick: bool) -> list[Case]:
     compiled_fwd = torch.compile(fmha_reference)
     compiled_bwd = torch.compile(fmha_backward_reference)
     out = []
-    for dtype in (torch.float32, torch.float16):
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for stage, nW, nH in STAGES:
             attn = torch.randn(batch * nW, nH, N, N, device=device, dtype=dtype)
             bias = torch.randn(nH, N, N, device=device, dtype=dtype)

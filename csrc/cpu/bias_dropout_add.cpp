@@ -18,6 +18,9 @@
 
 #include <cmath>
 #include <mutex>
+#include <vector>
+
+#include "cpu/vec_math.h"
 
 namespace accel {
 namespace {
@@ -143,6 +146,180 @@ void forward_loop(const Inputs& in, at::Tensor& out, uint64_t seed, uint64_t off
   });
 }
 
+#if ACCEL_HAVE_X86_INTRINSICS
+// The same loops with AVX-512 intrinsics for float, half and bfloat16, ~5x faster than the portable
+// ones above, whose time goes to Philox (auto-vectorized with twice the instructions these need,
+// plus scattered stores of the words) and, for half, to one-at-a-time conversions. Here Philox runs 16
+// blocks (64 elements) at once and yields the keep decisions as a 64-bit mask. The masks, and so the
+// backward, are bit-identical to the portable loops'. The forward rounds exactly as torch's
+// residual + (x + bias) * mult does; the portable loops may differ in the last bit where the compiler
+// fuses that multiply and add.
+namespace avx512 = vec::avx512;
+
+// Bit j: whether the low word of lane j of [a, b] (lanes 0-7 of a, then of b) is below t.
+ACCEL_AVX512 inline uint64_t below(__m512i a, __m512i b, __m512i t) {
+  const __m512i low_words = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  return _mm512_cmplt_epu32_mask(_mm512_permutex2var_epi32(a, low_words, b), t);
+}
+
+// Bit i of the result: whether element 4 g0 + i (i < 64) is kept, i.e. its draw is below threshold.
+// The rounds of philox_batch for blocks g0 .. g0 + 15, as two sets of 8 blocks with each 32-bit word
+// in the low half of a 64-bit lane: mul_epu32 then gives the full 32x32-bit products (hi = the upper
+// half, lo = the product itself). The upper halves of the words are never cleared: mul_epu32 and the
+// compare ignore them and xor keeps the halves apart, so they cannot reach a low half.
+ACCEL_AVX512 inline uint64_t keep_bits(uint64_t seed, uint64_t offset, uint64_t g0, uint64_t threshold) {
+  if (threshold > 0xFFFFFFFFull) return ~0ull;  // p = 0: every draw is below 2^32
+  const __m512i m0 = _mm512_set1_epi64(0xD2511F53);
+  const __m512i m1 = _mm512_set1_epi64(0xCD9E8D57);
+  const __m512i w0 = _mm512_set1_epi64(0x9E3779B9);
+  const __m512i w1 = _mm512_set1_epi64(0xBB67AE85);
+  __m512i k0 = _mm512_set1_epi64(static_cast<int64_t>(seed & 0xFFFFFFFFu));
+  __m512i k1 = _mm512_set1_epi64(static_cast<int64_t>(seed >> 32));
+  const __m512i blockA = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(g0)),
+                                          _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
+  const __m512i blockB = _mm512_add_epi64(blockA, _mm512_set1_epi64(8));
+  // counter = (offset lo, offset hi, block lo, block hi)
+  __m512i a0 = _mm512_set1_epi64(static_cast<int64_t>(offset & 0xFFFFFFFFu)), b0 = a0;
+  __m512i a1 = _mm512_set1_epi64(static_cast<int64_t>(offset >> 32)), b1 = a1;
+  __m512i a2 = blockA, b2 = blockB;
+  __m512i a3 = _mm512_srli_epi64(blockA, 32), b3 = _mm512_srli_epi64(blockB, 32);
+#pragma GCC unroll 10
+  for (int round = 0; round < 10; ++round) {
+    const __m512i pa0 = _mm512_mul_epu32(a0, m0), pa1 = _mm512_mul_epu32(a2, m1);
+    const __m512i pb0 = _mm512_mul_epu32(b0, m0), pb1 = _mm512_mul_epu32(b2, m1);
+    a0 = _mm512_ternarylogic_epi64(_mm512_srli_epi64(pa1, 32), a1, k0, 0x96);  // hi(c2 m1) ^ c1 ^ k0
+    a2 = _mm512_ternarylogic_epi64(_mm512_srli_epi64(pa0, 32), a3, k1, 0x96);  // hi(c0 m0) ^ c3 ^ k1
+    b0 = _mm512_ternarylogic_epi64(_mm512_srli_epi64(pb1, 32), b1, k0, 0x96);
+    b2 = _mm512_ternarylogic_epi64(_mm512_srli_epi64(pb0, 32), b3, k1, 0x96);
+    a1 = pa1;  // lo(c2 m1)
+    a3 = pa0;  // lo(c0 m0)
+    b1 = pb1;
+    b3 = pb0;
+    k0 = _mm512_add_epi64(k0, w0);  // the key words' upper halves carry junk too; only the low ones are used
+    k1 = _mm512_add_epi64(k1, w1);
+  }
+  const __m512i t = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(threshold)));
+  // bit j of word k's mask is element 4j + k
+  return _pdep_u64(below(a0, b0, t), 0x1111111111111111ull) | _pdep_u64(below(a1, b1, t), 0x2222222222222222ull) |
+         _pdep_u64(below(a2, b2, t), 0x4444444444444444ull) | _pdep_u64(below(a3, b3, t), 0x8888888888888888ull);
+}
+
+// Elements [64 begin, min(64 end, n)) of the forward; bias_ext is the bias in float, repeated so that
+// bias_ext[c .. c + 64) are the biases of 64 elements from column c (nullptr: no bias).
+template <typename scalar_t, bool kDropout>
+ACCEL_AVX512 void forward_chunks_avx512(const scalar_t* x, const scalar_t* r, const float* bias_ext, scalar_t* o,
+                                        int64_t n, int64_t cols, int64_t begin, int64_t end, uint64_t seed,
+                                        uint64_t offset, uint64_t threshold, float scale) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  int64_t col = (begin * kChunk) % cols;
+  const int64_t step = kChunk % cols;
+  for (int64_t c = begin; c < end; ++c) {
+    const int64_t base = c * kChunk;
+    const uint64_t keep = kDropout ? keep_bits(seed, offset, static_cast<uint64_t>(base / 4), threshold) : 0;
+    for (int q = 0; q < 4; ++q) {
+      const int64_t at = base + 16 * q;
+      const int64_t len = n - at;
+      if (len <= 0) break;
+      __m512 v, res;
+      if (len >= 16) {
+        v = avx512::load(x + at);
+        res = avx512::load(r + at);
+      } else {
+        v = avx512::load(x + at, avx512::first_lanes(len));
+        res = avx512::load(r + at, avx512::first_lanes(len));
+      }
+      if (bias_ext != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias_ext + col + 16 * q));
+      if constexpr (kDropout) {  // (mul_round: a plain multiply could be fused with the add below)
+        v = _mm512_mul_round_ps(v, _mm512_maskz_mov_ps(static_cast<__mmask16>(keep >> (16 * q)), vscale),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      }
+      v = _mm512_add_ps(res, v);
+      if (len >= 16) {
+        avx512::store(o + at, v);
+      } else {
+        avx512::store(o + at, v, avx512::first_lanes(len));
+      }
+    }
+    col += step;
+    if (col >= cols) col -= cols;
+  }
+}
+
+// Elements [64 begin, min(64 end, n)) of the backward: dx = g * (kept ? scale : 0).
+template <typename scalar_t>
+ACCEL_AVX512 void backward_chunks_avx512(const scalar_t* g, scalar_t* dx, int64_t n, int64_t begin, int64_t end,
+                                         uint64_t seed, uint64_t offset, uint64_t threshold, float scale) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t c = begin; c < end; ++c) {
+    const int64_t base = c * kChunk;
+    const uint64_t keep = keep_bits(seed, offset, static_cast<uint64_t>(base / 4), threshold);
+    for (int q = 0; q < 4; ++q) {
+      const int64_t at = base + 16 * q;
+      const int64_t len = n - at;
+      if (len <= 0) break;
+      const __m512 mult = _mm512_maskz_mov_ps(static_cast<__mmask16>(keep >> (16 * q)), vscale);
+      if (len >= 16) {
+        avx512::store(dx + at, _mm512_mul_ps(avx512::load(g + at), mult));
+      } else {
+        const __mmask16 lanes = avx512::first_lanes(len);
+        avx512::store(dx + at, _mm512_mul_ps(avx512::load(g + at, lanes), mult), lanes);
+      }
+    }
+  }
+}
+#endif  // ACCEL_HAVE_X86_INTRINSICS
+
+// Run the forward (backward) with the AVX-512 loops when they apply: float, half or bfloat16 on a CPU
+// that has AVX-512. Returns whether it ran.
+template <typename scalar_t>
+bool forward_avx512(const Inputs& in, at::Tensor& out, bool dropout, uint64_t seed, uint64_t offset, double p) {
+#if ACCEL_HAVE_X86_INTRINSICS
+  if constexpr (std::is_same_v<at::opmath_type<scalar_t>, float>) {
+    if (!vec::avx512_enabled()) return false;
+    const scalar_t* x = in.x.const_data_ptr<scalar_t>();
+    const scalar_t* r = in.residual.const_data_ptr<scalar_t>();
+    scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    std::vector<float> bias_ext;
+    if (in.has_bias) {
+      const scalar_t* b = in.bias.const_data_ptr<scalar_t>();
+      bias_ext.resize(static_cast<size_t>(in.cols + kChunk));
+      for (int64_t i = 0; i < in.cols + kChunk; ++i) bias_ext[i] = static_cast<float>(b[i % in.cols]);
+    }
+    const float* be = in.has_bias ? bias_ext.data() : nullptr;
+    const uint64_t threshold = keep_threshold(p);
+    const float scale = static_cast<float>(keep_scale(p));
+    at::parallel_for(0, (in.n + kChunk - 1) / kChunk, kGrainChunks, [&](int64_t begin, int64_t end) {
+      if (dropout) {
+        forward_chunks_avx512<scalar_t, true>(x, r, be, o, in.n, in.cols, begin, end, seed, offset, threshold, scale);
+      } else {
+        forward_chunks_avx512<scalar_t, false>(x, r, be, o, in.n, in.cols, begin, end, 0, 0, 0, 0.0f);
+      }
+    });
+    return true;
+  }
+#endif
+  return false;
+}
+
+template <typename scalar_t>
+bool backward_avx512(const at::Tensor& grad, at::Tensor& dx, uint64_t seed, uint64_t offset, double p) {
+#if ACCEL_HAVE_X86_INTRINSICS
+  if constexpr (std::is_same_v<at::opmath_type<scalar_t>, float>) {
+    if (!vec::avx512_enabled()) return false;
+    const scalar_t* g = grad.const_data_ptr<scalar_t>();
+    scalar_t* o = dx.mutable_data_ptr<scalar_t>();
+    const int64_t n = grad.numel();
+    const uint64_t threshold = keep_threshold(p);
+    const float scale = static_cast<float>(keep_scale(p));
+    at::parallel_for(0, (n + kChunk - 1) / kChunk, kGrainChunks, [&](int64_t begin, int64_t end) {
+      backward_chunks_avx512(g, o, n, begin, end, seed, offset, threshold, scale);
+    });
+    return true;
+  }
+#endif
+  return false;
+}
+
 // Returns (out, rng_state). rng_state = [seed, offset] as int64 (the seed's bits reinterpreted);
 // with training off or p == 0 nothing is drawn and rng_state is [0, 0].
 std::tuple<at::Tensor, at::Tensor> bias_dropout_add_fwd_cpu(const at::Tensor& x,
@@ -164,6 +341,7 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_add_fwd_cpu(const at::Tensor& x,
   state[1] = 0;
   if (in.n == 0) return {out, rng_state};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.x.scalar_type(), "bias_dropout_add_fwd_cpu", [&] {
+    if (forward_avx512<scalar_t>(in, out, dropout, seed, 0, p)) return;
     if (dropout) {
       forward_loop<scalar_t, true>(in, out, seed, 0, p);
     } else {
@@ -188,6 +366,7 @@ at::Tensor bias_dropout_add_bwd_cpu(const at::Tensor& grad_, const at::Tensor& r
   const uint64_t offset = static_cast<uint64_t>(state.const_data_ptr<int64_t>()[1]);
   const uint64_t threshold = keep_threshold(p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "bias_dropout_add_bwd_cpu", [&] {
+    if (backward_avx512<scalar_t>(grad, dx, seed, offset, p)) return;
     using opmath_t = at::opmath_type<scalar_t>;
     const opmath_t scale = static_cast<opmath_t>(keep_scale(p));
     const scalar_t* g = grad.const_data_ptr<scalar_t>();

@@ -1,6 +1,8 @@
 // Branch-free float math that GCC/Clang auto-vectorize at -O3 (std::exp does not vectorize without
-// libmvec/-ffast-math, which made scalar CPU kernels ~10x slower than ATen's SLEEF-based ones), and
-// a tiled loop that runs such float math over half/bfloat16 storage.
+// libmvec/-ffast-math, which made scalar CPU kernels ~10x slower than ATen's SLEEF-based ones), a
+// tiled loop that runs such float math over half/bfloat16 storage, and AVX-512 helpers (accel::vec::
+// avx512) for kernels whose portable loops the compiler cannot vectorize well (half conversions,
+// 32x32->64-bit multiplies, masked row tails).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -9,8 +11,18 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 #include <cstring>
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#define ACCEL_HAVE_X86_INTRINSICS 1
+#else
+#define ACCEL_HAVE_X86_INTRINSICS 0
+#endif
 
 namespace accel {
 namespace vec {
@@ -69,6 +81,119 @@ void map_tiles(const std::array<const scalar_t*, N>& ins, scalar_t* out, int64_t
     }
   });
 }
+
+// Whether the AVX-512 code paths may run: the CPU (and OS) support AVX-512 F/BW/VL/DQ with BMI2 and
+// FMA, and ATEN_CPU_CAPABILITY, torch's own switch for its CPU kernels, does not ask for a lower level
+// ("default", "avx2"; it also lets tests run the portable paths on an AVX-512 machine). The paths are
+// compiled with target attributes, not -mavx512*, so an ahead-of-time build for baseline x86-64 has
+// them too and picks them at run time.
+inline bool avx512_enabled() {
+#if ACCEL_HAVE_X86_INTRINSICS
+  static const bool enabled = [] {
+    __builtin_cpu_init();
+    const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                     __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("fma");
+    const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+    return cpu && (cap == nullptr || *cap == '\0' || std::strncmp(cap, "avx512", 6) == 0);
+  }();
+  return enabled;
+#else
+  return false;
+#endif
+}
+
+// Whether the CPU converts half <-> float 8 at a time (F16C, with AVX).
+inline bool f16c_enabled() {
+#if ACCEL_HAVE_X86_INTRINSICS
+  static const bool enabled = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  }();
+  return enabled;
+#else
+  return false;
+#endif
+}
+
+#if ACCEL_HAVE_X86_INTRINSICS
+// Functions using AVX-512 intrinsics carry this attribute and run only when avx512_enabled(). A lambda
+// does not inherit it, so at::parallel_for bodies call such functions rather than hold intrinsics.
+#define ACCEL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,bmi2,fma,f16c")))
+
+namespace avx512 {
+
+// Lanes [0, n) of a 16-lane vector (n >= 16: all).
+ACCEL_AVX512 inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? static_cast<__mmask16>(0)
+                                                          : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// 16 values as float; lanes outside k read nothing and are 0.
+ACCEL_AVX512 inline __m512 load(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+ACCEL_AVX512 inline __m512 load(const c10::Half* p, __mmask16 k) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
+}
+ACCEL_AVX512 inline __m512 load(const c10::BFloat16* p, __mmask16 k) {  // bfloat16 is float's top half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+ACCEL_AVX512 inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+ACCEL_AVX512 inline __m512 load(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+ACCEL_AVX512 inline __m512 load(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// float -> half/bfloat16 rounded to nearest even, as c10::Half / c10::BFloat16 round (bfloat16: NaN
+// becomes 0x7FC0, the rest bits + 0x7FFF + lsb, truncated).
+ACCEL_AVX512 inline __m256i to_half_bits(__m512 v) {
+  return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+ACCEL_AVX512 inline __m256i to_bfloat16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+ACCEL_AVX512 inline void store(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
+ACCEL_AVX512 inline void store(c10::Half* p, __m512 v, __mmask16 k) {
+  _mm256_mask_storeu_epi16(p, k, to_half_bits(v));
+}
+ACCEL_AVX512 inline void store(c10::BFloat16* p, __m512 v, __mmask16 k) {
+  _mm256_mask_storeu_epi16(p, k, to_bfloat16_bits(v));
+}
+ACCEL_AVX512 inline void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+ACCEL_AVX512 inline void store(c10::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_half_bits(v));
+}
+ACCEL_AVX512 inline void store(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bfloat16_bits(v));
+}
+
+// exp(x) lane-wise, the method of vec::exp above (|relative error| < 2 ulp) with fused multiply-adds,
+// and 2^n applied by scalef, which also gives the subnormal results: exp(x) = 0 for x <= -150 (also
+// -inf), inf for x >= 89 (also inf), NaN for NaN.
+ACCEL_AVX512 inline __m512 exp(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-150.0f), x));  // NaN stays x
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));  // p r^2 + r + 1
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace avx512
+#endif  // ACCEL_HAVE_X86_INTRINSICS
 
 }  // namespace vec
 }  // namespace accel

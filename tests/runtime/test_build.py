@@ -5,6 +5,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,3 +96,15 @@ def test_first_call_inside_fullgraph_compile_loads_the_kernels():
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "OK" in proc.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenMP flags are only passed on Linux")
+def test_cpu_kernels_are_built_with_openmp():
+    # at::parallel_for runs serially in code compiled without OpenMP; a kernel built with it calls
+    # into the GOMP runtime, so the extension must import GOMP symbols.
+    from accel.runtime import _build
+    from accel.runtime.nn.quick_gelu import quick_gelu
+
+    quick_gelu(torch.zeros(3))
+    so = Path(_build.load("quick_gelu").__file__).read_bytes()
+    assert b"GOMP_parallel" in so
