@@ -36,6 +36,19 @@ def _set_grads(params, grads):
         p.grad = g.clone()
 
 
+def _step_both_and_compare(opt_a, params_a, opt_b, params_b, steps, **tol):
+    """Feed both optimizers the same gradients for `steps`, then require the same weights
+    (within `tol`, default FP32)."""
+    for step in steps:
+        grads = _grads(params_b, step)
+        _set_grads(params_a, grads)
+        _set_grads(params_b, grads)
+        opt_a.step()
+        opt_b.step()
+    for p, q in zip(params_a, params_b):
+        torch.testing.assert_close(p, q, **(tol or FP32))
+
+
 def _assert_state_close(ours, ref, params_ours, params_ref, **kw):
     for p, q in zip(params_ours, params_ref):
         so, sr = ours.state[p], ref.state[q]
@@ -56,14 +69,7 @@ def test_matches_torch_over_20_steps(device, ours_cls, ref_cls, amsgrad, maximiz
     kw = dict(weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
     ours = ours_cls([{"params": a}, {"params": b, "lr": 3e-3, "betas": (0.8, 0.99)}], lr=1e-2, **kw)
     ref = ref_cls([{"params": ra}, {"params": rb, "lr": 3e-3, "betas": (0.8, 0.99)}], lr=1e-2, foreach=False, **kw)
-    for step in range(20):
-        grads = _grads(a + b, step)
-        _set_grads(a + b, grads)
-        _set_grads(ra + rb, grads)
-        ours.step()
-        ref.step()
-    for p, q in zip(a + b, ra + rb):
-        torch.testing.assert_close(p, q, **FP32)
+    _step_both_and_compare(ours, a + b, ref, ra + rb, range(20))
     _assert_state_close(ours, ref, a + b, ra + rb, **FP32)
     for p in a + b:
         st = ours.state[p]["step"]
@@ -75,14 +81,7 @@ def test_float64_matches_torch_to_rounding(ours_cls, ref_cls):
     a = _params("cpu", torch.float64)
     ra = _clone(a)
     ours, ref = ours_cls(a, lr=1e-2, amsgrad=True), ref_cls(ra, lr=1e-2, amsgrad=True, foreach=False)
-    for step in range(20):
-        grads = _grads(a, step)
-        _set_grads(a, grads)
-        _set_grads(ra, grads)
-        ours.step()
-        ref.step()
-    for p, q in zip(a, ra):
-        torch.testing.assert_close(p, q, rtol=1e-13, atol=1e-13)
+    _step_both_and_compare(ours, a, ref, ra, range(20), rtol=1e-13, atol=1e-13)
     assert ours.state[a[0]]["exp_avg"].dtype == torch.float64
 
 
@@ -122,14 +121,7 @@ def test_mixed_dtypes_and_many_tensors_in_one_group(device):
         a[k] = a[k].detach().double().requires_grad_()
     ra = _clone(a)
     ours, ref = FusedAdamW(a, lr=1e-2), torch.optim.AdamW(ra, lr=1e-2, foreach=False)
-    for step in range(5):
-        grads = _grads(a, step)
-        _set_grads(a, grads)
-        _set_grads(ra, grads)
-        ours.step()
-        ref.step()
-    for p, q in zip(a, ra):
-        torch.testing.assert_close(p, q, **FP32)
+    _step_both_and_compare(ours, a, ref, ra, range(5))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -242,14 +234,7 @@ def test_lr_as_tensor_matches_float():
     b = _clone(a)
     lr = torch.tensor(1e-2)  # float32: the float twin must use the same (rounded) value
     ot, of = FusedAdamW(a, lr=lr), FusedAdamW(b, lr=lr.item())
-    for step in range(5):
-        grads = _grads(a, step)
-        _set_grads(a, grads)
-        _set_grads(b, grads)
-        ot.step()
-        of.step()
-    for p, q in zip(a, b):
-        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    _step_both_and_compare(ot, a, of, b, range(5), rtol=0, atol=0)
 
 
 def test_params_without_grads_are_skipped():
@@ -307,18 +292,6 @@ def test_xla_params_take_the_reference_path():
     for x, p in zip(xs, a):
         torch.testing.assert_close(x.detach().cpu(), p.detach(), **FP32)
     assert ours.state[xs[0]]["step"].cpu().item() == 2
-
-
-def _step_both_and_compare(opt_a, params_a, opt_b, params_b, steps):
-    """Feed both optimizers the same gradients for `steps`, then require the same weights."""
-    for step in steps:
-        grads = _grads(params_b, step)
-        _set_grads(params_a, grads)
-        _set_grads(params_b, grads)
-        opt_a.step()
-        opt_b.step()
-    for p, q in zip(params_a, params_b):
-        torch.testing.assert_close(p, q, **FP32)
 
 
 def test_state_dict_round_trip_through_torch_adam():
