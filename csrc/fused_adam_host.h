@@ -49,16 +49,31 @@ struct Coeffs {
 struct Hyper {
   double beta1, beta2, eps, weight_decay;
   bool decoupled, maximize;
+  // Adam's L2 term (g += wd * p) is on; AdamW decays p instead.
+  C10_HOST_DEVICE bool coupled() const { return !decoupled && weight_decay != 0.0; }
 };
 
+// a * b rounded on its own, as Python rounds it. nvcc (--fmad) and GCC (-ffp-contract=fast, with
+// -march=native) would otherwise fuse the product into the subtraction that consumes it.
+C10_HOST_DEVICE inline double unfused_mul(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dmul_rn(a, b);
+#else
+  const volatile double product = a * b;
+  return product;
+#endif
+}
+
 // Rounded from double exactly where torch rounds its Python-scalar arguments. `step` is the
-// already incremented count (torch increments before computing the bias corrections).
+// already incremented count (torch increments before computing the bias corrections). The device's
+// pow is not correctly rounded, so a bias correction may differ from the host's in the last bit of
+// double; rounding to float almost always absorbs that, float64 params keep it.
 template <typename T>
 C10_HOST_DEVICE inline Coeffs<T> coeffs_for(const Hyper& h, double lr, double grad_scale, double step) {
   Coeffs<T> c;
   c.scale = static_cast<T>(grad_scale);
   c.sign = h.maximize ? T(-1) : T(1);
-  c.decay = (h.decoupled && h.weight_decay != 0.0) ? static_cast<T>(1.0 - lr * h.weight_decay) : T(1);
+  c.decay = (h.decoupled && h.weight_decay != 0.0) ? static_cast<T>(1.0 - unfused_mul(lr, h.weight_decay)) : T(1);
   c.wd = static_cast<T>(h.weight_decay);
   const T w = static_cast<T>(1.0 - h.beta1);
   // torch decides on the weight in the math type, so do we (w = 0.5 - 1e-9 is 0.5f in float)

@@ -49,7 +49,7 @@ struct AdamArgs {
   const float* grad_scale;    // null: grads are not scaled
   const float* found_inf;     // null: never skip
   int64_t chunk_size;
-  bool amsgrad, coupled;
+  bool amsgrad;
 };
 
 template <typename T, int N>
@@ -69,6 +69,7 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
   using T = at::opmath_type<scalar_t>;
   using fused_adam_host::adam_element;
   if (a.found_inf != nullptr && *a.found_inf != 0.f) return;
+  const bool coupled = a.h.coupled();
   const double lr = a.lr_ptr != nullptr ? *a.lr_ptr : a.lr;
   const double scale = a.grad_scale != nullptr ? static_cast<double>(*a.grad_scale) : 1.0;
   const int64_t total = meta.chunk_start[meta.n];
@@ -102,7 +103,7 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
 #pragma unroll
         for (int j = 0; j < kILP; ++j) {
           T pj = static_cast<T>(pp.v[j]);
-          adam_element<T>(pj, static_cast<T>(gp.v[j]), mp.v[j], vp.v[j], xp.v[j], c, a.amsgrad, a.coupled);
+          adam_element<T>(pj, static_cast<T>(gp.v[j]), mp.v[j], vp.v[j], xp.v[j], c, a.amsgrad, coupled);
           pp.v[j] = static_cast<scalar_t>(pj);
         }
         reinterpret_cast<Pack<scalar_t, kILP>*>(p)[k] = pp;
@@ -116,7 +117,7 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
       T pi = static_cast<T>(p[i]);
       T mi = m[i], vi = v[i];
       T xi = vm != nullptr ? vm[i] : T(0);
-      adam_element<T>(pi, static_cast<T>(g[i]), mi, vi, xi, c, a.amsgrad, a.coupled);
+      adam_element<T>(pi, static_cast<T>(g[i]), mi, vi, xi, c, a.amsgrad, coupled);
       p[i] = static_cast<scalar_t>(pi);
       m[i] = mi;
       v[i] = vi;
@@ -174,7 +175,6 @@ void fused_adam_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
   a.found_inf = inf_dev.defined() ? inf_dev.const_data_ptr<float>() : nullptr;
   a.chunk_size = chunk_size;
   a.amsgrad = amsgrad;
-  a.coupled = !decoupled_weight_decay && weight_decay != 0.0;
 
   // Strided tensors go through contiguous copies written back at the end.
   const std::vector<Work> work = make_work(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad);

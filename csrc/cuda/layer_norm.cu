@@ -41,10 +41,14 @@ struct Welford {
   acc_t mean, m2, count;
 };
 
+// An empty side returns the other one as is: through the general formula a row far from zero
+// (|mean| > ~1.8e19 in float) would give d * d = inf and inf * 0 = NaN. Lanes past the row's end
+// (N < 32 * VEC) are empty.
 template <typename acc_t>
 __device__ __forceinline__ Welford<acc_t> combine(const Welford<acc_t>& a, const Welford<acc_t>& b) {
+  if (b.count == acc_t(0)) return a;
+  if (a.count == acc_t(0)) return b;
   const acc_t n = a.count + b.count;
-  if (n == acc_t(0)) return a;
   const acc_t d = b.mean - a.mean;
   const acc_t fb = b.count / n;
   return {a.mean + d * fb, a.m2 + b.m2 + d * d * a.count * fb, n};
