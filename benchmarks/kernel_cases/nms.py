@@ -37,17 +37,15 @@ def _detections(n: int, device: str, seed: int = 0):
     return boxes, scores, classes
 
 
-def _ensemble_soft_nms(iou_threshold: float, sigma: float, thresh: float):
-    """A callable factory: ensemble_boxes.soft_nms (gaussian) on host numpy copies of the inputs."""
+def _ensemble_soft_nms(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor, iou_threshold: float,
+                       sigma: float, thresh: float):
+    """The timed call of ensemble_boxes.soft_nms (gaussian) on host numpy copies of the inputs."""
     import ensemble_boxes
 
-    def make(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor):
-        b, s, c = boxes.cpu().numpy(), scores.cpu().numpy(), classes.cpu().numpy()
-        scale = np.float32(IMAGE_SIDE + MAX_BOX_SIDE)
-        return lambda: ensemble_boxes.soft_nms([b / scale], [s], [c], method=2, iou_thr=iou_threshold,
-                                               sigma=sigma, thresh=thresh)
-
-    return make
+    b, s, c = boxes.cpu().numpy(), scores.cpu().numpy(), classes.cpu().numpy()
+    scale = np.float32(IMAGE_SIDE + MAX_BOX_SIDE)
+    return lambda: ensemble_boxes.soft_nms([b / scale], [s], [c], method=2, iou_thr=iou_threshold, sigma=sigma,
+                                           thresh=thresh)
 
 
 def _ensemble_boxes_available() -> bool:
@@ -77,9 +75,8 @@ def cases(device: str, quick: bool) -> list[Case]:
 
         soft_peers = {}
         if with_ensemble:
-            one_class = torch.zeros_like(classes)
-            soft_peers["ensemble_boxes.soft_nms (numpy, 1 class, incl. normalizing)"] = (
-                _ensemble_soft_nms(0.3, 0.5, 1e-3)(boxes, scores, one_class))
+            soft_peers["ensemble_boxes.soft_nms (numpy, 1 class, incl. normalizing)"] = _ensemble_soft_nms(
+                boxes, scores, torch.zeros_like(classes), 0.3, 0.5, 1e-3)
         if n <= REFERENCE_MAX_BOXES:
             soft_peers["soft_nms_reference"] = lambda d=dets: soft_nms_reference(d, 0.3, 0.5, 1e-3, "gaussian")
         out.append(Case("soft_nms gaussian", label, nbytes + n * 4,
@@ -87,8 +84,8 @@ def cases(device: str, quick: bool) -> list[Case]:
 
         batched_peers = {}
         if with_ensemble:
-            batched_peers["ensemble_boxes.soft_nms (numpy, incl. normalizing)"] = (
-                _ensemble_soft_nms(0.5, 0.5, 1e-3)(boxes, scores, classes))
+            batched_peers["ensemble_boxes.soft_nms (numpy, incl. normalizing)"] = _ensemble_soft_nms(
+                boxes, scores, classes, 0.5, 0.5, 1e-3)
         if n <= REFERENCE_MAX_BOXES:
             batched_peers["batched_soft_nms_reference"] = (
                 lambda b=boxes, s=scores, c=classes: batched_soft_nms_reference(b, s, c))

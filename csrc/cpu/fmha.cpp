@@ -118,8 +118,12 @@ inline T dot(const scalar_t* a, const scalar_t* b, int64_t n) {
 // ahead-of-time build cannot assume the machine it runs on, and its baseline is SSE2. ("arch=<cpu>"
 // clones would dispatch on the CPU model instead: an AMD or newer Intel CPU got the baseline.)
 // Half and bfloat16 rows are widened to float before they get here.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && __GNUC__ >= 12
 #define ACCEL_FMHA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#elif defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+// GCC 12 added the x86-64-vN levels to target_clones; older ones (GCC 11 is Ubuntu 22.04's) reject
+// them, but dispatch single ISA names on CPU features as well.
+#define ACCEL_FMHA_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define ACCEL_FMHA_CLONES
 #endif

@@ -12,15 +12,11 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "cpu/vec_math.h"
 #include "fused_adam_host.h"
 
 #include <cmath>
 #include <vector>
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define ACCEL_AVX512 1
-#include <immintrin.h>
-#endif
 
 namespace accel {
 namespace {
@@ -41,45 +37,24 @@ void adam_scalar(scalar_t* p, const scalar_t* g, T* m, T* v, T* vmax, int64_t n,
   }
 }
 
-#ifdef ACCEL_AVX512
-// The same operations, in the same order, 16 floats at a time. The extension is built for the
+#if ACCEL_HAVE_X86_INTRINSICS
+// The same operations, in the same order, 16 floats at a time. The extension may be built for the
 // baseline x86-64 ISA, so this path is compiled for AVX-512 by attribute and chosen at run time.
-#define ACCEL_AVX512_FN __attribute__((target("avx512f"))) inline
-
-ACCEL_AVX512_FN __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-ACCEL_AVX512_FN __m512 load16(const at::BFloat16* x) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-ACCEL_AVX512_FN __m512 load16(const at::Half* x) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-}
-ACCEL_AVX512_FN void store16(float* x, __m512 v) { _mm512_storeu_ps(x, v); }
-ACCEL_AVX512_FN void store16(at::BFloat16* x, __m512 v) {
-  // Round to nearest even on the bits, NaN to the canonical quiet NaN: c10::BFloat16's rounding.
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), _mm512_cvtepi32_epi16(r));
-}
-ACCEL_AVX512_FN void store16(at::Half* x, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
+namespace avx512 = vec::avx512;
 
 // Returns how many leading elements it updated (a multiple of 16); the caller does the rest.
 // adam_element's operations one for one (fused_adam_host.h), so both loops give the same bits.
 template <bool kAmsgrad, bool kCoupled, typename scalar_t>
-__attribute__((target("avx512f"))) int64_t adam_avx512(scalar_t* p, const scalar_t* g, float* m, float* v,
-                                                       float* vmax, int64_t n, const Coeffs<float>& c) {
+ACCEL_AVX512 int64_t adam_avx512(scalar_t* p, const scalar_t* g, float* m, float* v, float* vmax, int64_t n,
+                                 const Coeffs<float>& c) {
   const __m512 scale = _mm512_set1_ps(c.scale), sign = _mm512_set1_ps(c.sign), decay = _mm512_set1_ps(c.decay);
   const __m512 wd = _mm512_set1_ps(c.wd), lerp_a = _mm512_set1_ps(c.lerp_a), beta2 = _mm512_set1_ps(c.beta2);
   const __m512 omb2 = _mm512_set1_ps(c.one_minus_beta2), bc2 = _mm512_set1_ps(c.bc2_sqrt);
   const __m512 eps = _mm512_set1_ps(c.eps), nss = _mm512_set1_ps(c.neg_step_size);
   const int64_t end = n - n % 16;
   for (int64_t i = 0; i < end; i += 16) {
-    __m512 gi = _mm512_mul_ps(_mm512_div_ps(load16(g + i), scale), sign);
-    const __m512 pi = load16(p + i);
+    __m512 gi = _mm512_mul_ps(_mm512_div_ps(avx512::load(g + i), scale), sign);
+    const __m512 pi = avx512::load(p + i);
     if constexpr (kCoupled) gi = _mm512_fmadd_ps(wd, pi, gi);
     const __m512 mo = _mm512_loadu_ps(m + i);
     const __m512 mi = _mm512_fmadd_ps(lerp_a, _mm512_sub_ps(gi, mo), c.lerp_low ? mo : gi);
@@ -94,23 +69,18 @@ __attribute__((target("avx512f"))) int64_t adam_avx512(scalar_t* p, const scalar
       _mm512_storeu_ps(vmax + i, vx);
     }
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vx), bc2), eps);
-    store16(p + i, _mm512_fmadd_ps(pi, decay, _mm512_div_ps(_mm512_mul_ps(nss, mi), denom)));
+    avx512::store(p + i, _mm512_fmadd_ps(pi, decay, _mm512_div_ps(_mm512_mul_ps(nss, mi), denom)));
   }
   return end;
-}
-
-bool cpu_has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f");
-  return has;
 }
 #endif
 
 template <bool kAmsgrad, bool kCoupled, typename scalar_t, typename T>
 void adam_chunk(scalar_t* p, const scalar_t* g, T* m, T* v, T* vm, int64_t n, const Coeffs<T>& c) {
   int64_t done = 0;
-#ifdef ACCEL_AVX512
+#if ACCEL_HAVE_X86_INTRINSICS
   if constexpr (std::is_same_v<T, float>) {
-    if (cpu_has_avx512()) done = adam_avx512<kAmsgrad, kCoupled, scalar_t>(p, g, m, v, vm, n, c);
+    if (vec::avx512_enabled()) done = adam_avx512<kAmsgrad, kCoupled, scalar_t>(p, g, m, v, vm, n, c);
   }
 #endif
   adam_scalar<kAmsgrad, kCoupled, scalar_t, T>(p + done, g + done, m + done, v + done,

@@ -18,6 +18,7 @@
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <cpuid.h>
 #include <immintrin.h>
 #define ACCEL_HAVE_X86_INTRINSICS 1
 #else
@@ -103,12 +104,15 @@ inline bool avx512_enabled() {
 #endif
 }
 
-// Whether the CPU converts half <-> float 8 at a time (F16C, with AVX).
+// Whether the CPU converts half <-> float 8 at a time (F16C, with AVX). F16C is read from CPUID
+// itself: __builtin_cpu_supports knows "f16c" only from GCC 11 on, and torch extensions still build
+// with GCC 9 and 10.
 inline bool f16c_enabled() {
 #if ACCEL_HAVE_X86_INTRINSICS
   static const bool enabled = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __builtin_cpu_supports("avx") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
   }();
   return enabled;
 #else
