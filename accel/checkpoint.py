@@ -237,7 +237,7 @@ def activation_bytes(model: nn.Module, example_inputs) -> int:
     starting point; elsewhere: saved-tensor hooks. The model's modes, buffers and RNG are restored."""
     inputs = _normalize_inputs(example_inputs)
     with _preserved_state(model, inputs):
-        _measure(model, inputs)  # warm-up, see _plan_budget
+        _measure(model, inputs)  # warm-up, see _search
         return _measure(model, inputs)
 
 

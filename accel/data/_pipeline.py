@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from accel.utils.batch import cuda_copy_on_stream, move_to_device, pin_batch
+from accel.utils.batch import SideStreamCopy, move_to_device
 
 # How often a blocked thread looks at the stop flag; short enough that close() returns promptly.
 _POLL_S = 0.05
@@ -40,7 +40,9 @@ class TransferPipeline:
         self.stop = threading.Event()
         self.host_queue: queue.Queue = queue.Queue(maxsize=loader_prefetch_size)
         self.device_queue: queue.Queue = queue.Queue(maxsize=device_prefetch_size)
-        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # The same side-stream copy as the Prefetcher's: pinned and started in the copy thread, claimed
+        # by the consumer (see claim).
+        self.copier = SideStreamCopy(device) if device.type == "cuda" else None
         self.threads = [
             threading.Thread(target=self._read_loader, name=f"{name}-read", daemon=True),
             threading.Thread(target=self._copy_to_device, name=f"{name}-copy", daemon=True),
@@ -84,11 +86,15 @@ class TransferPipeline:
             del iterator
 
     def transfer(self, batch):
-        """Host batch -> what the consumer receives (for CUDA: the batch and its ready event)."""
+        """Host batch -> what goes into the device queue (for CUDA: a copy started on the side stream)."""
         with torch.no_grad():
-            if self.side_stream is not None:
-                return cuda_copy_on_stream(pin_batch(batch), self.device, self.side_stream)
+            if self.copier is not None:
+                return self.copier.start(self.copier.pin(batch))
             return move_to_device(batch, self.device)
+
+    def claim(self, item):
+        """In the consuming thread: the batch of a device-queue item, ready to use on its current stream."""
+        return self.copier.claim(item) if self.copier is not None else item
 
     def _copy_to_device(self) -> None:
         while True:

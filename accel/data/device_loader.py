@@ -10,7 +10,7 @@ from __future__ import annotations
 import weakref
 
 from accel.data._pipeline import END, TransferPipeline, _Failure
-from accel.utils.batch import resolve_device, wait_and_claim
+from accel.utils.batch import resolve_device
 from accel.utils.xla import is_xla_device, mark_step
 
 _OPTIONS = ("loader_prefetch_size", "device_prefetch_size")
@@ -55,10 +55,7 @@ class _DeviceLoaderIterator:
             self.close()
             # The worker's exception object carries its own traceback; raising it keeps type and frames.
             raise item.exc
-        if self._device.type == "cuda":
-            batch, ready = item
-            return wait_and_claim(batch, ready, self._device)
-        return item
+        return self._pipeline.claim(item)
 
     def close(self) -> None:
         if not self._closed:

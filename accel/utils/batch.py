@@ -2,9 +2,10 @@
 
 Shared by accel.data.MpDeviceLoader and accel.runtime.io.Prefetcher, which both copy host batches to a
 device ahead of use. The CUDA helpers copy on a side stream from pinned memory and let the consumer
-wait for that copy. The rules they follow:
-- the copy reads page-locked memory (pin_batch), or non_blocking would silently be a synchronous copy;
-- the consumer stream waits on an event recorded on the side stream after the copies (wait_and_claim),
+wait for that copy (SideStreamCopy). The rules they follow:
+- the copy reads page-locked memory (SideStreamCopy.pin), or non_blocking would silently be a synchronous
+  copy;
+- the consumer stream waits on an event recorded on the side stream after the copies (SideStreamCopy.claim),
   and only after that event was recorded (a never-recorded event is not waited for at all);
 - a tensor allocated on the side stream and used on another one is record_stream()-ed there, or the
   caching allocator may hand its memory to the next copy while the training step still reads it.
@@ -123,68 +124,12 @@ def copy_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-def pin_batch(batch: Any) -> Any:
-    """Page-locked copies of the host tensors of a batch (already pinned ones are kept as they are).
-
-    Only page-locked memory lets a non_blocking copy run asynchronously; the CUDA host allocator keeps a
-    pinned block from reuse until the copies that read it have finished, so the pinned tensors returned
-    here may be dropped as soon as their copies are queued.
-    """
-
-    def pin(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "cpu" or t.is_pinned():
-            return t
-        return t.pin_memory()
-
-    return map_tensors(batch, pin)
-
-
-def cuda_copy_on_stream(batch: Any, device: torch.device, stream) -> tuple[Any, Any]:
-    """Queue the copies of a (pinned) batch's tensors to `device` on `stream`; return (device_batch, ready).
-
-    Nothing here waits for the copies: `ready` is an event recorded on `stream` after the last of them,
-    and the consumer must hand both to `wait_and_claim` before touching the batch. Objects that are not
-    tensors but have .to() are left for wait_and_claim: their tensors cannot be seen, so they could not be
-    record_stream()-ed if they were allocated here.
-    """
-    device = torch.device(device)
-    with cuda_device(device):
-        for source in sorted({t.device.index for t in iter_tensors(batch) if t.device.type == "cuda"}):
-            # Inputs already on a GPU were written by a loader running in a background thread, i.e. on that
-            # thread's current stream of their device: the default stream, unless the loader switched streams
-            # itself (and then synchronised them itself). The side stream must not read them before that
-            # work is done. Host inputs need no such wait, which is what lets the copy overlap the step.
-            stream.wait_stream(current_stream(torch.device("cuda", source)))
-        with use_stream(stream):
-            moved = map_tensors(batch, lambda t: copy_async(t, device))
-        ready = Event()
-        ready.record(stream)
-    return moved, ready
-
-
-def wait_and_claim(batch: Any, ready_event, device: torch.device) -> Any:
-    """Make the current stream of `device` wait for a side-stream copy and take ownership of its tensors.
-
-    Call in the thread that will use the batch, with the stream it will use current, and only after
-    cuda_copy_on_stream has returned (an event that was never recorded is not waited for).
-    """
-    device = torch.device(device)
-    consumer = current_stream(device)
-    consumer.wait_event(ready_event)
-    for t in iter_tensors(batch):
-        # Every tensor came out of cuda_copy_on_stream, so its memory belongs to the side stream (or, for
-        # an input that was already on `device`, to the loader's stream). Without this the allocator could
-        # give that memory to the next prefetch while kernels on the consumer stream still read it.
-        t.record_stream(consumer)
-    # The objects cuda_copy_on_stream left alone are moved now, in order on the consumer stream.
-    return map_tensors(batch, lambda t: t, fallback_to=_object_to(device, False))
-
-
 class SideStreamCopy:
-    """Host-to-GPU copies on a side stream, in three steps:
+    """Host-to-GPU copies on a side stream of `device`, in three steps:
 
     pin (background thread) -> start (background thread; queues the copy) -> claim (training thread).
-    Every step runs with `device` current, so the background thread never touches another GPU.
+    pin and start run with `device` current, so the background thread never touches another GPU; claim
+    names `device` in every call, so it leaves the training thread's current device alone.
     """
 
     def __init__(self, device: torch.device):
@@ -192,15 +137,60 @@ class SideStreamCopy:
         self.stream = Stream(device=self.device)
 
     def pin(self, batch: Any) -> Any:
+        """Page-locked copies of the host tensors of a batch (already pinned ones are kept as they are).
+
+        Only page-locked memory lets a non_blocking copy run asynchronously; the CUDA host allocator keeps
+        a pinned block from reuse until the copies that read it have finished, so the pinned tensors
+        returned here may be dropped as soon as their copies are queued.
+        """
+
+        def pin(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type != "cpu" or t.is_pinned():
+                return t
+            return t.pin_memory()
+
         with cuda_device(self.device):
-            return pin_batch(batch)
+            return map_tensors(batch, pin)
 
     def start(self, host_batch: Any) -> tuple[Any, Any]:
-        return cuda_copy_on_stream(host_batch, self.device, self.stream)
+        """Queue the copies of a (pinned) batch's tensors on the side stream; return (device_batch, ready).
+
+        Nothing here waits for the copies: `ready` is an event recorded on the side stream after the last
+        of them, and the consumer must hand the pair to `claim` before touching the batch. Objects that
+        are not tensors but have .to() are left for claim: their tensors cannot be seen, so they could not
+        be record_stream()-ed if they were allocated here.
+        """
+        with cuda_device(self.device):
+            sources = {t.device.index for t in iter_tensors(host_batch) if t.device.type == "cuda"}
+            for source in sorted(sources):
+                # Inputs already on a GPU were written by a loader running in a background thread, i.e. on
+                # that thread's current stream of their device: the default stream, unless the loader
+                # switched streams itself (and then synchronised them itself). The side stream must not read
+                # them before that work is done. Host inputs need no such wait, which is what lets the copy
+                # overlap the step.
+                self.stream.wait_stream(current_stream(torch.device("cuda", source)))
+            with use_stream(self.stream):
+                moved = map_tensors(host_batch, lambda t: copy_async(t, self.device))
+            ready = Event()
+            ready.record(self.stream)
+        return moved, ready
 
     def claim(self, started: tuple[Any, Any]) -> Any:
+        """Make the current stream of `device` wait for a started copy and take ownership of its tensors.
+
+        Call in the thread that will use the batch, with the stream it will use current, and only after
+        start has returned (an event that was never recorded is not waited for).
+        """
         moved, ready = started
-        return wait_and_claim(moved, ready, self.device)
+        consumer = current_stream(self.device)
+        consumer.wait_event(ready)
+        for t in iter_tensors(moved):
+            # Every tensor came out of start, so its memory belongs to the side stream (or, for an input
+            # that was already on `device`, to the loader's stream). Without this the allocator could give
+            # that memory to the next prefetch while kernels on the consumer stream still read it.
+            t.record_stream(consumer)
+        # The objects start left alone are moved now, in order on the consumer stream.
+        return map_tensors(moved, lambda t: t, fallback_to=_object_to(self.device, False))
 
 
 def resolve_device(device) -> torch.device:

@@ -6,6 +6,7 @@ the same XLA tensors (so optimizers and modules that hold them see the reduced v
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -91,13 +92,12 @@ def host_buffer_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a host tensor as a flat uint8 tensor; a view (shared memory) when t is contiguous."""
-    return t.reshape(-1).view(torch.uint8)
+    """The bytes of a host tensor as a flat uint8 tensor: a view (shared memory) when t is contiguous,
+    else the bytes of a contiguous copy (a strided view cannot be reinterpreted as bytes)."""
+    return t.contiguous().view(-1).view(torch.uint8)
 
 
 def rows_as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a host tensor as (t.shape[0], bytes per row): split sizes along dim 0 keep their meaning."""
-    row_numel = 1
-    for n in t.shape[1:]:
-        row_numel *= n
-    return t.reshape(t.shape[0], row_numel).view(torch.uint8)
+    """The bytes of a host tensor as (t.shape[0], bytes per row), shared with t when it is contiguous
+    (as as_bytes): split sizes along dim 0 keep their meaning."""
+    return t.contiguous().view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)

@@ -219,7 +219,7 @@ class HostStagedProcessGroup(dist.ProcessGroup):
     def allgather(self, output_tensors_lists, input_tensors, opts=None):
         for outputs, input_tensor in zip(output_tensors_lists, input_tensors):
             (host_in,) = _staging.to_host([input_tensor])
-            host_outs = [torch.empty(o.shape, dtype=o.dtype) for o in outputs]
+            host_outs = [_staging.host_buffer_like(o) for o in outputs]
             self._gloo.allgather([host_outs], [host_in]).wait()
             _staging.copy_back(outputs, host_outs)
         return _done_work(output_tensors_lists)
@@ -231,7 +231,7 @@ class HostStagedProcessGroup(dist.ProcessGroup):
                 f"output must have world_size * input.numel() = {host_in.numel() * self.size()} elements, "
                 f"got {output.numel()}"
             )
-        chunks = [torch.empty(host_in.shape, dtype=host_in.dtype) for _ in range(self.size())]
+        chunks = [_staging.host_buffer_like(host_in) for _ in range(self.size())]
         self._gloo.allgather([chunks], [host_in]).wait()
         gathered = torch.cat([c.reshape(-1) for c in chunks]).reshape(output.shape)
         _staging.copy_back([output], [gathered])
@@ -339,7 +339,7 @@ class HostStagedProcessGroup(dist.ProcessGroup):
     def send(self, tensors, dst_rank, tag=0):
         (host,) = _staging.to_host([self._one_tensor(tensors, "tensors")])
         # gloo holds the byte view, and so the host copy, until the peer has it.
-        return _InFlightWork(self._gloo.send([_staging.as_bytes(host.contiguous())], dst_rank, tag))
+        return _InFlightWork(self._gloo.send([_staging.as_bytes(host)], dst_rank, tag))
 
     def _receive(self, tensors, start):
         target = self._one_tensor(tensors, "tensors")

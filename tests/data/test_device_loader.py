@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 import accel.data.device_loader as device_loader_module
 from accel.data import MpDeviceLoader
 from accel.utils.xla import xla_available
+from tests._cuda_fakes import CudaFakes, assert_copied_on_side_stream_of_cuda1, nested_batches_one_pinned
 from tests._datasets import BrokenSample, Numbers, Pair
 
 
@@ -184,3 +185,16 @@ def test_cuda_batches_match_host_batches():
         # Work queued on the current stream right away: correct only if it waits for the side-stream copy.
         d.mul_(2).add_(1)
         torch.testing.assert_close(d.cpu(), h * 2 + 1)
+
+
+def test_cuda_copies_go_through_the_prefetchers_side_stream_copy(monkeypatch):
+    # No GPU here: tests/_cuda_fakes.py logs the CUDA calls, and the loader must make the same ones, in the
+    # same order, as the Prefetcher (pinned and copied on cuda:1 in the copy thread, claimed in this one).
+    fakes = CudaFakes(monkeypatch, worker_prefix="accel-MpDeviceLoader")
+    batches, already_pinned = nested_batches_one_pinned(fakes)
+    seen = []
+    for batch in MpDeviceLoader(batches, "cuda:1", device_prefetch_size=1):
+        fakes.add("loop_gets", batch)
+        seen.append(batch)
+    assert _wait_for_no_loader_threads() == []
+    assert_copied_on_side_stream_of_cuda1(fakes, batches, seen, already_pinned)

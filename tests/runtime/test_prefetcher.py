@@ -1,8 +1,5 @@
 """Prefetcher (the guide's IO optimisation): batches on the device, in order, with or without the
 prefetch_CPU/prefetch_GPU calls; preprocess_fn, errors, early exit, epochs."""
-import collections
-import contextlib
-import dataclasses
 import gc
 import threading
 import traceback
@@ -11,11 +8,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import accel.utils.batch as batch_module
 from accel.runtime.io.prefetcher import Prefetcher, _Worker
 from accel.utils.batch import iter_tensors, move_to_device
 from accel.utils.xla import xla_available
-from tests._datasets import BrokenSample, Numbers, Pair
+from tests._cuda_fakes import (CudaFakes, Sample, assert_copied_on_side_stream_of_cuda1, event_after,
+                               nested_batches_one_pinned)
+from tests._datasets import BrokenSample, Numbers
 
 
 def _prefetch_threads():
@@ -188,172 +186,14 @@ def test_cuda_side_stream_copies_are_waited_for(call_prefetch):
 
 
 # --------------------------------------------------------------------------- the CUDA branch, with fakes
-# No GPU here: the CUDA primitives accel.utils.batch uses are replaced by recording fakes, and the order in
-# which the Prefetcher calls them is checked against the rules of CUDA streams and the caching allocator.
-
-@dataclasses.dataclass
-class _Sample:
-    image: torch.Tensor
-    label: int
-
-
-class _Boxes:
-    """An object with tensors inside that only it knows about; moved with its own .to()."""
-
-    def __init__(self, data, log=None):
-        self.data, self.log = data, log
-
-    def to(self, device, non_blocking=False):
-        self.log("object_to", self, device)
-        return _Boxes(self.data.clone(), self.log)
-
-
-class _Entry(collections.namedtuple("_Entry", "op thread args")):
-    def on_worker(self):
-        return self.thread.startswith("accel-Prefetcher")
-
-
-class _CudaFakes:
-    """Recording stand-ins for Stream, Event, current_stream, the stream and device guards, the copy,
-    pin_memory/is_pinned and record_stream. Every call is appended to `log` as an _Entry, in call order."""
-
-    def __init__(self, monkeypatch):
-        self.log: list[_Entry] = []
-        self._lock = threading.Lock()
-        self._local = threading.local()
-        self.pinned: list[torch.Tensor] = []  # tensors that count as page-locked (kept alive: ids stay unique)
-        self.defaults: dict[int, object] = {}
-        fakes = self
-
-        class Stream:
-            def __init__(self, device=None, priority=0):
-                self.device = torch.device(device)
-                self.name = f"side:{self.device.index}"
-                fakes.add("new_stream", self)
-
-            def wait_stream(self, other):
-                fakes.add("wait_stream", self, other)
-
-            def wait_event(self, event):
-                fakes.add("wait_event", self, event)
-
-            def __repr__(self):
-                return self.name
-
-        class Event:
-            def record(self, stream=None):
-                fakes.add("record_event", stream, self)
-
-        class DefaultStream(Stream):
-            def __init__(self, index):
-                self.device, self.name = torch.device("cuda", index), f"default:{index}"
-
-        def current_stream(device=None):
-            index = fakes.current_device() if device is None else torch.device(device).index
-            stack = getattr(fakes._local, "streams", [])
-            if stack and stack[-1].device.index == index:
-                return stack[-1]
-            return fakes.defaults.setdefault(index, DefaultStream(index))
-
-        @contextlib.contextmanager
-        def use_stream(stream):
-            fakes._local.__dict__.setdefault("streams", []).append(stream)
-            try:
-                yield
-            finally:
-                fakes._local.streams.pop()
-
-        @contextlib.contextmanager
-        def cuda_device(device):
-            fakes._local.__dict__.setdefault("devices", []).append(torch.device(device).index)
-            try:
-                yield
-            finally:
-                fakes._local.devices.pop()
-
-        def copy_async(t, device):
-            out = t.clone()
-            fakes.add("copy", t, out, current_stream(device), fakes.current_device(), torch.device(device))
-            return out
-
-        def pin_memory(t, *args):
-            out = t.clone()
-            fakes.pinned.append(out)
-            fakes.add("pin", t, out, fakes.current_device())
-            return out
-
-        def is_pinned(t, *args):
-            return any(t is p for p in fakes.pinned)
-
-        def record_stream(t, stream):
-            fakes.add("record_stream", t, stream)
-
-        for name, fake in [("Stream", Stream), ("Event", Event), ("current_stream", current_stream),
-                           ("use_stream", use_stream), ("cuda_device", cuda_device), ("copy_async", copy_async)]:
-            monkeypatch.setattr(batch_module, name, fake)
-        monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
-        monkeypatch.setattr(torch.Tensor, "is_pinned", is_pinned)
-        monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-
-    def current_device(self):
-        devices = getattr(self._local, "devices", [])
-        return devices[-1] if devices else 0
-
-    def add(self, op, *args):
-        with self._lock:
-            self.log.append(_Entry(op, threading.current_thread().name, args))
-            return len(self.log) - 1
-
-    def find(self, op, pred=lambda e: True):
-        return [(i, e) for i, e in enumerate(self.log) if e.op == op and pred(e)]
-
-    def only(self, op, pred):
-        found = self.find(op, pred)
-        assert len(found) == 1, (op, found)
-        return found[0]
-
-
-def _nested_batches(n, log):
-    return [{"tokens": torch.arange(4) + k,
-             "parts": [torch.full((2,), float(k)), (torch.tensor(k), "caption", 7)],
-             "pair": Pair(torch.ones(3) * k, [torch.zeros(1) - k]),
-             "sample": _Sample(torch.eye(2) * k, label=k),
-             "boxes": _Boxes(torch.tensor([k, k + 1]), log),
-             "name": f"batch{k}"} for k in range(n)]
-
-
-def _event_after(fakes, copies, side, consumer):
-    """(log index of the event recorded after the copies at `copies`, log index of the wait for it);
-    checks the event is recorded on `side` by the background thread, after the last of those copies and
-    before any later copy, and waited for once, on `consumer`, by the training thread."""
-    recorded_at, record = min((i, e) for i, e in fakes.find("record_event") if i > max(copies))
-    assert record.args[0] is side and record.on_worker()
-    assert all(i > recorded_at for i, _ in fakes.find("copy") if i > max(copies))
-    waited_at, wait = fakes.only("wait_event", lambda e: e.args[1] is record.args[1])
-    assert wait.args[0] is consumer and wait.thread == "MainThread"
-    return recorded_at, waited_at
-
-
-def _assert_same_values(got, expected):
-    assert type(got) is dict and got.keys() == expected.keys()
-    assert got["name"] == expected["name"] and got["parts"][1][1:] == ("caption", 7)
-    assert type(got["pair"]) is Pair and type(got["sample"]) is _Sample and got["sample"].label == expected["sample"].label
-    assert type(got["parts"]) is list and type(got["parts"][1]) is tuple
-    torch.testing.assert_close(iter_tensors(got), iter_tensors(expected), rtol=0, atol=0)
-    assert torch.equal(got["boxes"].data, expected["boxes"].data)
-
+# See tests/_cuda_fakes.py: the order of the CUDA calls is checked on machines without a GPU.
 
 @pytest.mark.parametrize("call_prefetch", [False, True], ids=["auto", "guide_calls"])
 def test_cuda_branch_order_of_operations(monkeypatch, call_prefetch):
-    fakes = _CudaFakes(monkeypatch)
-    batches = _nested_batches(3, fakes.add)
-    already_pinned = batches[1]["tokens"]
-    fakes.pinned.append(already_pinned)  # e.g. from DataLoader(pin_memory=True): must not be pinned again
+    fakes = CudaFakes(monkeypatch, worker_prefix="accel-Prefetcher")
+    batches, already_pinned = nested_batches_one_pinned(fakes)
     prefetcher = Prefetcher(batches, device="cuda:1")
     assert prefetcher.device == torch.device("cuda", 1)
-    (side,) = fakes.only("new_stream", lambda e: True)[1].args
-    assert side.device == torch.device("cuda", 1)
 
     seen = []
     for batch in prefetcher:
@@ -363,48 +203,11 @@ def test_cuda_branch_order_of_operations(monkeypatch, call_prefetch):
             prefetcher.prefetch_CPU()
             prefetcher.prefetch_GPU()
     assert _no_threads_left()
-    assert len(seen) == 3
-    consumer = fakes.defaults[1]
-
-    for k, (host, got) in enumerate(zip(batches, seen)):
-        _assert_same_values(got, host)
-        yielded_at, _ = fakes.only("loop_gets", lambda e: e.args[0] is got)
-        leaves = iter_tensors(got)
-        host_leaves = iter_tensors(host)
-        assert len(leaves) == 6 and all(not any(t is h for h in host_leaves) for t in leaves)
-
-        copies = []
-        for leaf, source in zip(leaves, host_leaves):
-            # Each device tensor was copied on the side stream of cuda:1, by the background thread, from
-            # page-locked memory: pinned there too (under cuda:1), unless it already was.
-            at, copy = fakes.only("copy", lambda e, leaf=leaf: e.args[1] is leaf)
-            src, _, stream, current_device, target = copy.args
-            assert stream is side and current_device == 1 and target == torch.device("cuda", 1)
-            assert copy.on_worker()
-            if source is already_pinned:
-                assert src is source and fakes.find("pin", lambda e, s=source: e.args[0] is s) == []
-            else:
-                pinned_at, pin = fakes.only("pin", lambda e, s=src: e.args[1] is s)
-                assert pin.args[0] is source and pin.on_worker() and pin.args[2] == 1 and pinned_at < at
-            copies.append(at)
-
-        # The event is recorded on the side stream after the batch's last copy, and the training thread's
-        # stream waits on exactly that event before the batch reaches the loop ...
-        recorded_at, waited_at = _event_after(fakes, copies, side, consumer)
-        assert recorded_at < waited_at < yielded_at
-        # ... and every tensor is record_stream()-ed on that stream, after the wait, before the loop gets it.
-        for leaf in leaves:
-            at, rec = fakes.only("record_stream", lambda e, leaf=leaf: e.args[0] is leaf)
-            assert rec.args[1] is consumer and waited_at < at < yielded_at and rec.thread == "MainThread"
-        # The object the copy cannot look into is moved by the training thread after the wait.
-        moved_at, moved = fakes.only("object_to", lambda e, b=host["boxes"]: e.args[0] is b)
-        assert moved.thread == "MainThread" and waited_at < moved_at < yielded_at
-        assert moved.args[1] == torch.device("cuda", 1)
-    assert len(fakes.find("record_stream")) == 3 * 6
+    assert_copied_on_side_stream_of_cuda1(fakes, batches, seen, already_pinned)
 
 
 def test_cuda_branch_preprocess_runs_after_the_wait_in_the_training_thread(monkeypatch):
-    fakes = _CudaFakes(monkeypatch)
+    fakes = CudaFakes(monkeypatch, worker_prefix="accel-Prefetcher")
 
     def preprocess(batch):
         fakes.add("preprocess", batch, torch.is_grad_enabled())
@@ -428,13 +231,13 @@ def test_cuda_branch_preprocess_runs_after_the_wait_in_the_training_thread(monke
             recorded_at, _ = fakes.only("record_stream", lambda e, leaf=leaf: e.args[0] is leaf)
             assert copied_at < recorded_at < at
         copies = [fakes.only("copy", lambda e, leaf=leaf: e.args[1] is leaf)[0] for leaf in iter_tensors(claimed)]
-        _, waited_at = _event_after(fakes, copies, fakes.only("new_stream", lambda e: True)[1].args[0],
+        _, waited_at = event_after(fakes, copies, fakes.only("new_stream", lambda e: True)[1].args[0],
                                     fakes.defaults[1])
         assert waited_at < at
 
 
 def test_cuda_branch_loader_error_and_early_break(monkeypatch):
-    fakes = _CudaFakes(monkeypatch)
+    fakes = CudaFakes(monkeypatch, worker_prefix="accel-Prefetcher")
     prefetcher = Prefetcher(DataLoader(Numbers(6, fail_at=3), batch_size=1), device="cuda:0")
     with pytest.raises(BrokenSample, match="broken sample 3"):
         for _ in prefetcher:
@@ -466,12 +269,12 @@ def test_cuda_nested_batches_from_pageable_pinned_and_gpu_tensors():
                 "pinned": (torch.arange(4096.0) * k).pin_memory(),
                 # written by a kernel queued in the loader's thread: the copy stream must wait for it
                 "on_gpu": torch.full((4096,), float(k), device="cuda").mul_(2),
-                "sample": _Sample(torch.eye(3) * k, label=k), "name": f"b{k}"}
+                "sample": Sample(torch.eye(3) * k, label=k), "name": f"b{k}"}
 
     prefetcher = Prefetcher(_GeneratedBatches(make, 5), lambda b: dict(b, doubled=b["pageable"] * 2), device="cuda")
     for k, batch in enumerate(prefetcher):
         expected = make(k)
-        assert batch["name"] == f"b{k}" and type(batch["sample"]) is _Sample and batch["sample"].label == k
+        assert batch["name"] == f"b{k}" and type(batch["sample"]) is Sample and batch["sample"].label == k
         for key in ("pageable", "pinned", "on_gpu"):
             assert batch[key].is_cuda
             torch.testing.assert_close(batch[key].cpu(), expected[key].cpu(), rtol=0, atol=0)

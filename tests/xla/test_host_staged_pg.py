@@ -149,6 +149,31 @@ def test_receives_posted_before_sends_do_not_deadlock():
         assert ranks[r] == ([[peer * 10.0, 2.0, 4.0], [1.0, 3.0, 5.0]], True, True)
 
 
+def test_strided_cpu_inputs_travel_as_their_values():
+    # Views whose last stride is not 1 cannot be reinterpreted as bytes in place: their bytes are copied.
+    def fn(pg, rank):
+        base = torch.arange(12.0).reshape(3, 4) + 100 * rank  # rank r: rows [100r + 4i .. 100r + 4i + 3]
+        opts = dist.ScatterOptions()
+        opts.rootRank = 0
+        scattered = torch.zeros(3)
+        pg.scatter([scattered], [[base[:, 0], base[:, 1]]] if rank == 0 else [], opts)  # columns of rank 0
+        a2a = torch.zeros(4, 3)
+        pg.alltoall_base(a2a, base.t(), [], [])  # rows of base.t() are base's columns
+        got = torch.zeros(2)
+        if rank == 0:
+            pg.send([base[0, ::2]], 1, 0).wait()
+        else:
+            pg.recv([got], 0, 0).wait()
+        return scattered.tolist(), a2a.tolist(), got.tolist()
+
+    ranks = run_ranks(fn)
+    assert ranks[0][0] == [0.0, 4.0, 8.0] and ranks[1][0] == [1.0, 5.0, 9.0]
+    # rank r gets columns 2r, 2r + 1 of rank 0's base, then the same columns of rank 1's.
+    assert ranks[0][1] == [[0.0, 4.0, 8.0], [1.0, 5.0, 9.0], [100.0, 104.0, 108.0], [101.0, 105.0, 109.0]]
+    assert ranks[1][1] == [[2.0, 6.0, 10.0], [3.0, 7.0, 11.0], [102.0, 106.0, 110.0], [103.0, 107.0, 111.0]]
+    assert ranks[1][2] == [0.0, 2.0]
+
+
 def test_bad_arguments_raise_value_error_naming_them():
     def fn(pg, rank):
         with pytest.raises(ValueError, match="input_split_sizes"):
