@@ -6,7 +6,8 @@ Loading the module registers the ops as torch.ops.accel.*.
 
 Order of preference: a module built ahead of time by `ACCEL_BUILD_EXT=1 pip install .`
 (accel._ext.<op>), else a JIT build through torch.utils.cpp_extension + ninja, cached under
-$ACCEL_EXT_DIR (default ~/.cache/accel/ext/<torch version>) and rebuilt when a source changes.
+$ACCEL_EXT_DIR (default ~/.cache/accel/ext/), in a folder per torch version, CPU instruction set and
+GPU architecture (machine_tag), and rebuilt when a source changes.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import functools
 import hashlib
 import importlib
 import os
+import platform
 import sys
 import threading
 from pathlib import Path
@@ -42,11 +44,31 @@ def with_cuda() -> bool:
     return torch.cuda.is_available() and torch.version.cuda is not None
 
 
+def cpu_features() -> str:
+    """The CPU's instruction-set flags line (Linux x86 "flags", Arm "Features"), else the architecture."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), platform.machine())
+    except OSError:
+        return platform.machine()
+
+
+@functools.cache
+def machine_tag() -> str:
+    """What a build is specific to besides its sources: the torch version, the CPU's instruction set
+    (JIT builds use -march=native, so a cache shared between hosts, e.g. a home directory on a cluster,
+    must not hand an AVX-512 build to an older CPU) and, with CUDA, the GPU's compute capability."""
+    tag = torch.__version__.replace("+", "_") + "_" + hashlib.sha256(cpu_features().encode()).hexdigest()[:8]
+    if with_cuda():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{tag}_cuda_sm{major}{minor}"
+    return tag + "_cpu"
+
+
 def build_dir(op: str) -> Path:
     root = os.environ.get("ACCEL_EXT_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "accel", "ext")
-    tag = torch.__version__.replace("+", "_") + ("_cuda" if with_cuda() else "_cpu")
-    path = Path(root) / tag / op
+    path = Path(root) / machine_tag() / op
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -108,3 +108,17 @@ def test_cpu_kernels_are_built_with_openmp():
     quick_gelu(torch.zeros(3))
     so = Path(_build.load("quick_gelu").__file__).read_bytes()
     assert b"GOMP_parallel" in so
+
+
+def test_builds_are_kept_apart_per_cpu_instruction_set(monkeypatch):
+    # JIT builds use -march=native: a cache shared by two hosts must not hand one's build to the other.
+    from accel.runtime import _build
+
+    tags = []
+    for flags in ("flags\t: fpu sse2 avx2", "flags\t: fpu sse2 avx2 avx512f"):
+        monkeypatch.setattr(_build, "cpu_features", lambda flags=flags: flags)
+        _build.machine_tag.cache_clear()
+        tags.append(_build.machine_tag())
+    _build.machine_tag.cache_clear()
+    assert tags[0] != tags[1]
+    assert all(t.startswith(torch.__version__.replace("+", "_")) for t in tags)
