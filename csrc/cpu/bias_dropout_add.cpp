@@ -20,21 +20,13 @@
 #include <mutex>
 #include <vector>
 
+#include "bias_dropout_add_host.h"
 #include "cpu/vec_math.h"
 
 namespace accel {
 namespace {
 
-// keep <=> draw < threshold, with threshold in [0, 2^32]: p = 0 keeps all, p = 1 keeps none.
-inline uint64_t keep_threshold(double p) {
-  return static_cast<uint64_t>(std::floor((1.0 - p) * 4294967296.0));
-}
-
-inline double keep_scale(double p) { return p < 1.0 ? 1.0 / (1.0 - p) : 0.0; }
-
-void check_p(double p) {
-  TORCH_CHECK(p >= 0.0 && p <= 1.0, "bias_dropout_add: p must be in [0, 1], got ", p);
-}
+using namespace bias_dropout_add_host;
 
 // Philox-4x32-10 for kBatch consecutive blocks g0 .. g0+kBatch-1 at once: word k of block g0+j
 // goes to out[4j + k], i.e. the draw of element 4 g0 + i is out[i]. Bit-identical to

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "cpu/vec_math.h"
+#include "fmha_host.h"
 
 namespace accel {
 namespace {
@@ -469,30 +470,9 @@ bool backward_avx512(const scalar_t* g, const scalar_t* y, scalar_t* d, opmath_t
   return false;
 }
 
-void check_inputs(const at::Tensor& attn, const at::Tensor& bias, const std::optional<at::Tensor>& mask,
-                  int64_t window_num) {
-  TORCH_CHECK(attn.dim() == 4 && attn.size(2) == attn.size(3),
-              "fmha_swin_fwd: attn must be [B*nW, nH, N, N], got ", attn.sizes());
-  const int64_t nH = attn.size(1), N = attn.size(2);
-  TORCH_CHECK(bias.dim() == 3 && bias.size(0) == nH && bias.size(1) == N && bias.size(2) == N,
-              "fmha_swin_fwd: relative_pos_bias must be [nH, N, N] = [", nH, ", ", N, ", ", N, "], got ",
-              bias.sizes());
-  TORCH_CHECK(bias.device() == attn.device(), "fmha_swin_fwd: bias must be on ", attn.device());
-  TORCH_CHECK(!mask.has_value() || mask->device() == attn.device(), "fmha_swin_fwd: attn_mask must be on ",
-              attn.device());
-  TORCH_CHECK(window_num > 0 && attn.size(0) % window_num == 0, "fmha_swin_fwd: window_num=", window_num,
-              " must be positive and divide attn.size(0)=", attn.size(0));
-  if (mask.has_value()) {
-    const auto& m = *mask;
-    TORCH_CHECK(m.dim() == 3 && m.size(0) == window_num && m.size(1) == N && m.size(2) == N,
-                "fmha_swin_fwd: attn_mask must be [nW, N, N] = [", window_num, ", ", N, ", ", N, "], got ",
-                m.sizes());
-  }
-}
-
 at::Tensor fmha_fwd_cpu(const at::Tensor& attn_, const at::Tensor& bias_, const std::optional<at::Tensor>& mask_,
                         int64_t window_num) {
-  check_inputs(attn_, bias_, mask_, window_num);
+  fmha_host::check_fwd_inputs(attn_, bias_, mask_, window_num);
   auto attn = attn_.contiguous();
   auto out = at::empty_like(attn);
   if (attn.numel() == 0) return out;
@@ -535,10 +515,7 @@ at::Tensor fmha_fwd_cpu(const at::Tensor& attn_, const at::Tensor& bias_, const 
 
 // Returns (grad of attn in attn's dtype, grad of the bias [nH, N, N] in the op math type).
 std::tuple<at::Tensor, at::Tensor> fmha_bwd_cpu(const at::Tensor& grad_, const at::Tensor& out_) {
-  TORCH_CHECK(out_.dim() == 4 && out_.size(2) == out_.size(3),
-              "fmha_swin_bwd: out must be [B*nW, nH, N, N], got ", out_.sizes());
-  TORCH_CHECK(grad_.sizes() == out_.sizes(), "fmha_swin_bwd: grad ", grad_.sizes(), " and out ", out_.sizes(),
-              " differ in shape");
+  fmha_host::check_bwd_inputs(grad_, out_);
   auto out = out_.contiguous();
   auto grad = grad_.to(out.scalar_type()).contiguous();
   const int64_t BnW = out.size(0), nH = out.size(1), N = out.size(2);

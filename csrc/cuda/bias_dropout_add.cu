@@ -31,15 +31,12 @@
 #include <mutex>
 #include <type_traits>
 
+#include "bias_dropout_add_host.h"
+
 namespace accel {
 namespace {
 
-// keep <=> draw < threshold, with threshold in [0, 2^32]: p = 0 keeps all, p = 1 keeps none.
-inline uint64_t keep_threshold(double p) {
-  return static_cast<uint64_t>(std::floor((1.0 - p) * 4294967296.0));
-}
-
-inline double keep_scale(double p) { return p < 1.0 ? 1.0 / (1.0 - p) : 0.0; }
+using namespace bias_dropout_add_host;
 
 // Generator offset increment per call: one Philox counter (4 draws) per subsequence.
 constexpr uint64_t kDrawsPerSubsequence = 4;
@@ -187,10 +184,6 @@ void with_bool(bool b, F&& f) {
   } else {
     f(std::false_type());
   }
-}
-
-void check_p(double p) {
-  TORCH_CHECK(p >= 0.0 && p <= 1.0, "bias_dropout_add: p must be in [0, 1], got ", p);
 }
 
 std::tuple<at::Tensor, at::Tensor> bias_dropout_add_fwd_cuda(const at::Tensor& x_,

@@ -19,6 +19,7 @@
 #include <torch/types.h>
 
 #include "cuda/fast_div.cuh"
+#include "fmha_host.h"
 
 #include <cstdint>
 #include <limits>
@@ -233,25 +234,11 @@ void dispatch_kpt(int N, F&& f) {
 
 void check_inputs(const at::Tensor& attn, const at::Tensor& bias, const std::optional<at::Tensor>& mask,
                   int64_t window_num) {
-  TORCH_CHECK(attn.dim() == 4 && attn.size(2) == attn.size(3),
-              "fmha_swin_fwd: attn must be [B*nW, nH, N, N], got ", attn.sizes());
+  fmha_host::check_fwd_inputs(attn, bias, mask, window_num);
   const int64_t nH = attn.size(1), N = attn.size(2);
   TORCH_CHECK(N <= kMaxN, "fmha_swin_fwd: the CUDA kernel handles N <= ", kMaxN, ", got N=", N);
-  TORCH_CHECK(bias.dim() == 3 && bias.size(0) == nH && bias.size(1) == N && bias.size(2) == N,
-              "fmha_swin_fwd: relative_pos_bias must be [nH, N, N] = [", nH, ", ", N, ", ", N, "], got ",
-              bias.sizes());
-  TORCH_CHECK(bias.device() == attn.device(), "fmha_swin_fwd: bias must be on ", attn.device());
-  TORCH_CHECK(window_num > 0 && attn.size(0) % window_num == 0, "fmha_swin_fwd: window_num=", window_num,
-              " must be positive and divide attn.size(0)=", attn.size(0));
   TORCH_CHECK(nH <= std::numeric_limits<int>::max() && window_num <= std::numeric_limits<int>::max(),
               "fmha_swin_fwd: nH and window_num must fit in int32");
-  if (mask.has_value()) {
-    const auto& m = *mask;
-    TORCH_CHECK(m.dim() == 3 && m.size(0) == window_num && m.size(1) == N && m.size(2) == N,
-                "fmha_swin_fwd: attn_mask must be [nW, N, N] = [", window_num, ", ", N, ", ", N, "], got ",
-                m.sizes());
-    TORCH_CHECK(m.device() == attn.device(), "fmha_swin_fwd: attn_mask must be on ", attn.device());
-  }
 }
 
 at::Tensor fmha_fwd_cuda(const at::Tensor& attn_, const at::Tensor& bias_, const std::optional<at::Tensor>& mask_,
@@ -288,12 +275,8 @@ at::Tensor fmha_fwd_cuda(const at::Tensor& attn_, const at::Tensor& bias_, const
 }
 
 std::tuple<at::Tensor, at::Tensor> fmha_bwd_cuda(const at::Tensor& grad_, const at::Tensor& out_) {
-  TORCH_CHECK(out_.dim() == 4 && out_.size(2) == out_.size(3),
-              "fmha_swin_bwd: out must be [B*nW, nH, N, N], got ", out_.sizes());
-  TORCH_CHECK(grad_.sizes() == out_.sizes(), "fmha_swin_bwd: grad ", grad_.sizes(), " and out ", out_.sizes(),
-              " differ in shape");
+  fmha_host::check_bwd_inputs(grad_, out_);
   TORCH_CHECK(out_.size(2) <= kMaxN, "fmha_swin_bwd: the CUDA kernel handles N <= ", kMaxN);
-  TORCH_CHECK(grad_.device() == out_.device(), "fmha_swin_bwd: grad must be on ", out_.device());
   c10::cuda::CUDAGuard guard(out_.device());
   auto out = out_.contiguous();
   auto grad = grad_.to(out.scalar_type()).contiguous();
