@@ -2,12 +2,17 @@
 
     model = accel.auto_checkpoint(model)                            # checkpoint every repeated block
     model = accel.auto_checkpoint(model, memory_budget=2 << 30)     # only as many as needed to fit
+    model = accel.auto_checkpoint(model, block_classes={"BertLayer"}, count=6)  # TorchAcc's gc_cls / gc_cnt
     accel.remove_checkpoint(model)                                  # undo
 
 Finding the blocks. Every nn.ModuleList / nn.Sequential in the model is split into groups of children
 with the same structure (same module types all the way down, same parameter names and shapes). The
 group holding the most parameters wins (ties: more members, then the outermost): the layers of a
 transformer encoder, the stages of a ResNet stage, the blocks of an MLP stack.
+
+Or by class name. block_classes={"BertLayer"} takes every module of those classes instead (outermost
+matches only: a match nested inside another match is not wrapped twice), in model order.
+count=N checkpoints only the first N blocks (TorchAcc's gc_cnt), with or without class names.
 
 Wrapping. Each block's `forward` is replaced on the instance (the class is untouched), so module
 names, hooks and state_dict keys stay exactly as they were and a state_dict saved before loads after.
@@ -54,7 +59,7 @@ from torch import nn
 from accel.utils.batch import iter_tensors
 
 __all__ = ["auto_checkpoint", "remove_checkpoint", "checkpoint_plan", "find_repeated_blocks",
-           "activation_bytes", "CheckpointPlan"]
+           "find_blocks_by_class", "activation_bytes", "CheckpointPlan"]
 
 _PLAN_ATTR = "_accel_checkpoint_plan"
 _ORIG_ATTR = "_accel_ckpt_forward"   # the forward we replaced: None means the class's own
@@ -112,6 +117,19 @@ def find_repeated_blocks(model: nn.Module) -> tuple[str, list[tuple[str, nn.Modu
             if best_key is None or key > best_key:
                 best_key, best = key, (cname, members)
     return best
+
+
+def find_blocks_by_class(model: nn.Module, class_names) -> list[tuple[str, nn.Module]]:
+    """[(qualified name, module), ...] of the outermost modules whose class name is in class_names."""
+    names = set(class_names)
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if type(module).__name__ not in names:
+            continue
+        if any(name.startswith(outer + ".") for outer, _ in found):
+            continue  # inside a block already taken
+        found.append((name, module))
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,34 +414,64 @@ def _lazy_plan_hook(model: nn.Module, args, kwargs):
 # ---------------------------------------------------------------------------------------------
 # public entry points
 
-def auto_checkpoint(model: nn.Module, memory_budget: int | None = None, example_inputs=None) -> nn.Module:
+def _check_block_classes(block_classes):
+    if block_classes is None:
+        return None
+    if isinstance(block_classes, str):
+        block_classes = {block_classes}
+    try:
+        names = set(block_classes)
+    except TypeError:
+        names = set()
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"block_classes: expected None or a non-empty set of class names, got {block_classes!r}")
+    return names
+
+
+def auto_checkpoint(model: nn.Module, memory_budget: int | None = None, example_inputs=None, *,
+                    block_classes=None, count: int | None = None) -> nn.Module:
     """Wrap `model`'s repeated blocks with activation checkpointing and return `model` (modified in
     place; same state_dict keys). memory_budget: bytes of saved activations per training forward
     to fit in (None: checkpoint every block). example_inputs: a batch for the budget's dry runs
     (tuple of positional or dict of keyword arguments); without it the first training forward is used.
+    block_classes: class names of the blocks (None: found as the largest group of repeated blocks).
+    count: checkpoint only the first `count` blocks (None: all, or as the budget decides).
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
                                       or memory_budget <= 0):
         raise ValueError(f"memory_budget: expected a positive int number of bytes or None, got {memory_budget!r}")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise ValueError(f"count: expected None or an int >= 1, got {count!r}")
+    if count is not None and memory_budget is not None:
+        raise ValueError("count and memory_budget are exclusive: the budget decides how many blocks to checkpoint")
+    class_names = _check_block_classes(block_classes)
     inputs = None if example_inputs is None else _normalize_inputs(example_inputs)
 
     old = checkpoint_plan(model)
     if old is not None and old._hook is not None:
         old._hook.remove()
-    container, members = find_repeated_blocks(model)
+    if class_names is None:
+        container, members = find_repeated_blocks(model)
+        missing = "repeated blocks (structurally identical children of an nn.ModuleList or nn.Sequential)"
+    else:
+        container, members = "", find_blocks_by_class(model, class_names)
+        missing = f"modules of the classes {sorted(class_names)}"
     if not members:
-        warnings.warn("auto_checkpoint: found no repeated blocks (structurally identical children of an "
-                      "nn.ModuleList or nn.Sequential); the model is returned unchanged", stacklevel=2)
+        warnings.warn(f"auto_checkpoint: found no {missing}; the model is returned unchanged", stacklevel=2)
         return model
+    if old is not None:  # re-planning with other blocks: the old ones get their own forward back
+        for name in set(old.blocks) - {n for n, _ in members}:
+            _uninstall(model.get_submodule(name))
     names = [name for name, _ in members]
     for _, block in members:
         _install(block)
     plan = CheckpointPlan(container=container, blocks=names, checkpointed=list(names), memory_budget=memory_budget)
     object.__setattr__(model, _PLAN_ATTR, plan)
     if memory_budget is None:
-        _set_checkpointed(model, plan, names)
+        plan.checkpointed = names[:count]
+        _set_checkpointed(model, plan, plan.checkpointed)
     elif inputs is not None:
         _plan_budget(model, plan, inputs)
     else:

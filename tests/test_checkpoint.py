@@ -197,6 +197,48 @@ def test_idempotent_and_undo():
     assert remove_checkpoint(model) is model  # undoing twice is harmless
 
 
+def test_block_classes_and_count_take_named_blocks_outermost_first():
+    """TorchAcc's gc_cls / gc_cnt: blocks by class name; only the first `count` recompute."""
+    model = small_bert(layers=4)
+    auto_checkpoint(model, block_classes={"BertLayer", "BertSelfAttention"}, count=3)
+    plan = checkpoint_plan(model)
+    layers = [f"encoder.layer.{i}" for i in range(4)]
+    assert plan.blocks == layers                     # BertSelfAttention sits inside BertLayer: not wrapped
+    assert plan.checkpointed == layers[:3]
+    counts, _ = count_calls([layer.attention.self.query for layer in model.encoder.layer])
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    model(ids).last_hidden_state.sum().backward()
+    assert list(counts.values()) == [2, 2, 2, 1]     # recomputed in backward only where checkpointed
+    # switching to automatic discovery re-plans over the same blocks, all of them now
+    auto_checkpoint(model)
+    assert checkpoint_plan(model).checkpointed == layers
+
+
+def test_block_classes_outputs_and_grads_match_unwrapped():
+    ref, model = small_bert(), small_bert()
+    auto_checkpoint(model, block_classes="BertLayer")
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    out_ref, out = ref(ids).last_hidden_state, model(ids).last_hidden_state
+    out_ref.square().sum().backward()
+    out.square().sum().backward()
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+    for name, g in grads(ref).items():
+        torch.testing.assert_close(grads(model)[name], g, rtol=1e-6, atol=1e-7)
+
+
+def test_block_classes_matching_nothing_warns_and_bad_values_name_the_argument():
+    model = mlp()
+    with pytest.warns(UserWarning, match="NoSuchBlock"):
+        assert auto_checkpoint(model, block_classes={"NoSuchBlock"}) is model
+    assert checkpoint_plan(model) is None
+    with pytest.raises(ValueError, match="block_classes"):
+        auto_checkpoint(model, block_classes={""})
+    with pytest.raises(ValueError, match="count"):
+        auto_checkpoint(model, count=0)
+    with pytest.raises(ValueError, match="count and memory_budget"):
+        auto_checkpoint(model, memory_budget=1 << 20, count=2)
+
+
 # --------------------------------------------------------------------------- memory budget
 
 def _bytes(plain_blocks):

@@ -6,6 +6,9 @@ Default device (when ``device_type`` is None), checked in this order:
   2. "cuda" when torch.cuda.is_available();
   3. "cpu".
 Default dtype: bfloat16 on xla and cpu, float16 on cuda (pass dtype=torch.bfloat16 for bf16).
+``autocast()`` with no dtype on a CPU without native bf16 (no AMX or AVX512-BF16; accel.utils.cpu)
+warns once: there bf16 is emulated and many times slower than fp32. The XLA CPU client runs on the
+same CPU, so the warning covers xla on PJRT_DEVICE=CPU too.
 
 On XLA this is ``torch.autocast("xla", ...)`` directly: torch_xla.amp.autocast only acts
 on TPU/Neuron and ignores autocast on the PJRT CPU device, whereas the core "xla" autocast
@@ -18,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from accel.utils.cpu import native_bf16, warn_emulated_bf16
 from accel.utils.xla import require_xla, xla_available
 
 _DEFAULT_DTYPE = {"xla": torch.bfloat16, "cpu": torch.bfloat16, "cuda": torch.float16}
@@ -56,6 +60,12 @@ def _device_type_of(device_type) -> str:
     raise ValueError(f"device_type: expected None, a str or a torch.device, got {type(device_type).__name__}")
 
 
+def _runs_on_cpu(device_type: str) -> bool:
+    if device_type == "cpu":
+        return True
+    return device_type == "xla" and os.environ.get("PJRT_DEVICE", "").upper() == "CPU"
+
+
 class autocast(torch.amp.autocast_mode.autocast):
     """Mixed-precision region; a context manager and a decorator, like torch.autocast.
 
@@ -77,6 +87,8 @@ class autocast(torch.amp.autocast_mode.autocast):
             raise ValueError(f"enabled: expected a bool, got {enabled!r}")
         if not _autocast_available(device):
             raise ValueError(f"device_type: autocast does not support device type {device!r}")
+        if dtype is None and enabled and _runs_on_cpu(device) and not native_bf16():
+            warn_emulated_bf16("accel.amp.autocast() defaults to bf16")
         if device == "xla":
             # Registers the XLA backend so the "xla" autocast key has kernels behind it.
             require_xla("accel.amp.autocast on xla")

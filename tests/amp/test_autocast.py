@@ -100,3 +100,39 @@ def test_xla_default_is_bf16_and_casts_matmuls():
     assert out.dtype is torch.bfloat16
     expected = (a.bfloat16().float() @ b.bfloat16().float()).bfloat16()
     torch.testing.assert_close(out.cpu(), expected, atol=0, rtol=1e-2)
+
+
+def test_no_arguments_warns_once_on_a_cpu_without_native_bf16(monkeypatch):
+    import warnings
+
+    import accel.utils.cpu as cpu
+
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(autocast_mode, "native_bf16", lambda: False)
+    monkeypatch.setattr(cpu, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="no native bf16"):
+        autocast()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        autocast()                                   # once only
+        autocast("cpu", dtype=torch.bfloat16)        # an explicit dtype is the user's choice: no warning
+    monkeypatch.setattr(cpu, "_warned", set())
+    monkeypatch.setattr(autocast_mode, "native_bf16", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        autocast()                                   # native bf16: nothing to say
+
+
+def test_native_bf16_follows_the_cpu_flags(monkeypatch):
+    import accel.utils.cpu as cpu
+
+    monkeypatch.setattr(cpu, "_torch_says_bf16", lambda: None)   # fall back to /proc/cpuinfo
+    cpu.native_bf16.cache_clear()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        expected = "avx512_bf16" in flags or "amx_bf16" in flags
+        assert cpu.native_bf16() is expected
+    finally:
+        cpu.native_bf16.cache_clear()

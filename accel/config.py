@@ -1,0 +1,198 @@
+"""accel.Config: what accelerate() applies, as a tree of dataclasses validated when built.
+
+    config = accel.Config()
+    config.compute.bf16 = True
+    config.memory.gc = True
+    config.dataloader.buckets = [64, 128, 256, 512]
+    model, loader = accel.accelerate(model, loader, config)
+
+TorchAcc's field names are kept so its users' configs carry over (backend, compute.fp16/bf16,
+memory.gc/gc_cls/gc_cnt, dataloader.buckets/max_length/num_buckets/pad_value_dict); accel's own
+fields sit beside them (compute.compile/cuda_graphs/kernels, dataloader.pack).
+
+Every section validates itself in __post_init__ (a bad value raises ValueError naming the field), and
+Config.validate() re-checks the whole tree, which accelerate() calls: fields assigned after
+construction are checked there. Defaults are built per instance (default_factory), so no two
+configs share a list, dict or section.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+BACKENDS = ("auto", "xla", "cuda", "cpu")
+DEFAULT_PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
+
+
+def _check_positive_int(name: str, value, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name}: expected {'None or ' if optional else ''}an int >= 1, got {value!r}")
+
+
+class _Section:
+    """Validation shared by every section: __post_init__ and validate() run _check()."""
+
+    _prefix = ""
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    def validate(self) -> None:
+        self._check()
+
+    def _check(self) -> None:  # pragma: no cover - every section overrides it
+        raise NotImplementedError
+
+    def _name(self, attr: str) -> str:
+        return f"{self._prefix}.{attr}" if self._prefix else attr
+
+
+@dataclass
+class ComputeConfig(_Section):
+    """How the model computes.
+
+    fp16 / bf16: autocast to that dtype (exclusive). bf16 on a CPU without native bf16 (AMX or
+        AVX512-BF16) is emulated and many times slower; accelerate() then stays in fp32 and says so once.
+    compile: run the model as static graphs (torch.compile on cuda/cpu; the XLA device on xla).
+    cuda_graphs: replay the compiled step with CUDA graphs (cuda backend only; needs compile).
+    kernels: use accel's kernel library where it beats what the backend already does on this device
+        (see accel.kernel_policy: decided by measurement, not by default).
+    """
+
+    _prefix = "compute"
+    fp16: bool = False
+    bf16: bool = False
+    compile: bool = True
+    cuda_graphs: bool = True
+    kernels: bool = True
+
+    def _check(self) -> None:
+        for f in fields(self):
+            _check_bool(self._name(f.name), getattr(self, f.name))
+        if self.fp16 and self.bf16:
+            raise ValueError("compute.fp16 and compute.bf16 are exclusive: set at most one")
+
+
+@dataclass
+class MemoryConfig(_Section):
+    """Activation checkpointing (gradient checkpointing).
+
+    gc: turn it on. gc_cls: class names of the blocks to checkpoint (e.g. {"BertLayer"}); without
+        names accel.auto_checkpoint finds the repeated blocks itself.
+    gc_cnt: checkpoint only the first gc_cnt blocks (None: all of them).
+    """
+
+    _prefix = "memory"
+    gc: bool = False
+    gc_cls: Optional[set] = None
+    gc_cnt: Optional[int] = None
+
+    def _check(self) -> None:
+        _check_bool("memory.gc", self.gc)
+        if self.gc_cls is not None:
+            if isinstance(self.gc_cls, str):
+                self.gc_cls = {self.gc_cls}
+            try:
+                names = set(self.gc_cls)
+            except TypeError:
+                raise ValueError(f"memory.gc_cls: expected None or a set of class names, got {self.gc_cls!r}") from None
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"memory.gc_cls: expected a non-empty set of class-name strings, got {self.gc_cls!r}")
+            self.gc_cls = names
+        _check_positive_int("memory.gc_cnt", self.gc_cnt)
+        if not self.gc and (self.gc_cls is not None or self.gc_cnt is not None):
+            raise ValueError("memory.gc_cls and memory.gc_cnt take effect only with memory.gc=True")
+
+
+@dataclass
+class DataLoaderConfig(_Section):
+    """Static shapes for the loader accelerate() wraps.
+
+    buckets: sequence lengths every batch is padded up to (the smallest that holds it).
+    max_length + num_buckets: the same, with num_buckets lengths evenly spaced up to max_length
+        (multiples of 8, which tensor cores like); buckets wins when both are given.
+    max_length alone: one bucket, every batch padded to max_length.
+    pad_value_dict: the value each padded field gets (fields not named are padded with 0).
+    pack: pack several samples into each row of max_length tokens instead (accel.data.packing):
+        no padding but the row tail; the samples stay apart (see accel.data.packing).
+    """
+
+    _prefix = "dataloader"
+    buckets: Optional[list] = None
+    max_length: Optional[int] = None
+    num_buckets: Optional[int] = None
+    pad_value_dict: dict = field(default_factory=lambda: dict(DEFAULT_PAD_VALUES))
+    pack: bool = False
+
+    def _check(self) -> None:
+        if self.buckets is not None:
+            try:
+                values = list(self.buckets)
+            except TypeError:
+                raise ValueError(f"dataloader.buckets: expected None or a list of ints >= 1, got {self.buckets!r}") from None
+            if not values or not all(_is_int(b) and b >= 1 for b in values):
+                raise ValueError(f"dataloader.buckets: expected a non-empty list of ints >= 1, got {self.buckets!r}")
+            self.buckets = sorted(set(values))
+        _check_positive_int("dataloader.max_length", self.max_length)
+        _check_positive_int("dataloader.num_buckets", self.num_buckets)
+        if self.num_buckets is not None and self.max_length is None and self.buckets is None:
+            raise ValueError("dataloader.num_buckets needs dataloader.max_length (the largest bucket)")
+        if self.buckets is not None and self.max_length is not None and self.buckets[-1] > self.max_length:
+            raise ValueError(f"dataloader.buckets: the largest bucket {self.buckets[-1]} exceeds "
+                             f"dataloader.max_length={self.max_length}")
+        if not isinstance(self.pad_value_dict, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                for k, v in self.pad_value_dict.items()):
+            raise ValueError("dataloader.pad_value_dict: expected a dict of field name -> int or float pad value, "
+                             f"got {self.pad_value_dict!r}")
+        _check_bool("dataloader.pack", self.pack)
+        if self.pack and self.max_length is None:
+            raise ValueError("dataloader.pack needs dataloader.max_length (the packed row length)")
+        if self.pack and self.buckets is not None:
+            raise ValueError("dataloader.pack and dataloader.buckets are exclusive: packed rows have one length")
+
+    def bucket_lengths(self) -> Optional[list]:
+        """The lengths batches are padded to, or None when the loader keeps its own shapes."""
+        if self.pack:
+            return None
+        if self.buckets is not None:
+            return list(self.buckets)
+        if self.max_length is None:
+            return None
+        n = self.num_buckets or 1
+        out = sorted({min(self.max_length, -(-self.max_length * (i + 1) // n // 8) * 8) for i in range(n)})
+        return out
+
+
+@dataclass
+class Config(_Section):
+    """The root: backend plus one section per concern.
+
+    backend: 'auto' (cuda when a GPU is present, else xla when torch_xla is installed, else cpu),
+        'xla', 'cuda' or 'cpu'.
+    """
+
+    backend: str = "auto"
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    dataloader: DataLoaderConfig = field(default_factory=DataLoaderConfig)
+
+    def _check(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
+        for name, kind in (("compute", ComputeConfig), ("memory", MemoryConfig), ("dataloader", DataLoaderConfig)):
+            section = getattr(self, name)
+            if not isinstance(section, kind):
+                raise ValueError(f"{name}: expected an accel.config.{kind.__name__}, got {type(section).__name__}")
+            section.validate()
