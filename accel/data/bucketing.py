@@ -245,3 +245,58 @@ class BucketingLoader(DataLoader):
 
     def padding_stats(self) -> PaddingStats:
         return self.batch_sampler.padding_stats()
+
+
+def pad_to_bucket(batch: Mapping, buckets: Sequence[int], pad_values: Mapping[str, float]) -> dict:
+    """Pad an already collated batch (e.g. DataCollatorWithPadding's, padded to its longest sample) along
+    the sequence dimension to the smallest bucket that holds it, as TorchAcc's bucketing does.
+
+    Args:
+        batch: a mapping with "input_ids" [B, L]; every tensor whose dim 1 is L is a per-token field
+            and is padded (dim >= 2); other values pass through.
+        buckets: ascending sequence lengths.
+        pad_values: field name -> pad value (fields not named are padded with 0).
+
+    Returns:
+        a dict with every per-token field of length bucket_for(L).
+    """
+    if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
+        raise ValueError("batch: bucketing needs collated batches as mappings with an 'input_ids' tensor, got "
+                         f"{type(batch).__name__}")
+    if batch["input_ids"].dim() != 2:
+        raise ValueError(f"batch['input_ids']: expected [batch, seq], got shape {tuple(batch['input_ids'].shape)}")
+    length = batch["input_ids"].shape[1]
+    width = bucket_for(length, buckets)
+    out = dict(batch)
+    if width == length:
+        return out
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length:
+            padded = value.new_full((value.shape[0], width, *value.shape[2:]), pad_values.get(key, 0))
+            padded[:, :length] = value
+            out[key] = padded
+    return out
+
+
+class BucketPaddedLoader:
+    """Iterate `loader` with every batch padded to a bucket length (see pad_to_bucket).
+
+    Re-iterable like the loader it wraps; len(), dataset, sampler, batch_size, set_epoch ... read through.
+    """
+
+    def __init__(self, loader, buckets: Sequence[int], pad_values: Mapping[str, float]):
+        self.loader = loader
+        self.buckets = _check_buckets(buckets)
+        self.pad_values = dict(pad_values)
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield pad_to_bucket(batch, self.buckets, self.pad_values)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)

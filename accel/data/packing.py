@@ -312,3 +312,31 @@ class PackedCollator:
         if not self.keep_segment_info:
             del batch["segment_ids"], batch["seq_lens"]
         return batch
+
+
+def packed_loader_like(loader, max_length: int, *, pad_token_id: int = 0, overflow: str = "truncate"):
+    """A DataLoader of packed rows over the samples of `loader` (a DataLoader over a map-style dataset
+    whose items are mappings with "input_ids", before collation), keeping its shuffling, workers,
+    pinning and drop_last.
+
+    Rows per batch keep the real tokens per step about where they were: round(batch_size * mean sample
+    length / max_length), at least 1. Batches carry segment_ids (accel.compiler.packed.PackedModel
+    builds the attention mask from them) and no attention_mask.
+    """
+    from torch.utils.data import DataLoader, RandomSampler
+
+    if not isinstance(loader, DataLoader) or loader.batch_size is None:
+        raise ValueError("dataloader: packing rebuilds the loader, so it must be a torch DataLoader with a "
+                         f"batch_size over a map-style dataset, got {type(loader).__name__}")
+    dataset = loader.dataset
+    try:
+        samples = [dataset[i] for i in range(len(dataset))]
+    except TypeError as exc:
+        raise ValueError("dataloader: packing needs a map-style dataset (len() and [i]), got "
+                         f"{type(dataset).__name__}") from exc
+    packed = PackedDataset(samples, max_length, pad_token_id=pad_token_id, overflow=overflow)
+    mean_length = sum(packed.piece_lengths) / len(packed.piece_lengths)
+    rows = max(1, round(loader.batch_size * mean_length / max_length))
+    return DataLoader(packed, batch_size=rows, shuffle=isinstance(loader.sampler, RandomSampler),
+                      collate_fn=PackedCollator(mask="none", keep_segment_info=True),
+                      num_workers=loader.num_workers, pin_memory=loader.pin_memory, drop_last=loader.drop_last)

@@ -1,0 +1,210 @@
+"""accel.accelerate(model, dataloader=None, config=None): TorchAcc's one call.
+
+    model, loader = accel.accelerate(model, loader, config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)     # built from the returned model
+    for batch in loader:                                           # batches arrive on the device
+        loss = model(**batch)["loss"]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+What it does, in order (each step says why it sits where it does):
+1. backend: 'auto' is cuda when a GPU is present, else xla when torch_xla is installed, else cpu.
+2. precision: compute.bf16 / compute.fp16 become an autocast around the model's forward. On a CPU
+   (and the XLA CPU client) without native bf16 it stays fp32 and says so once: emulated bf16 is many
+   times slower there (accel.utils.cpu). fp16 needs a GradScaler: use accel.amp.GradScaler (sync-free).
+3. the model moves to the device.
+4. kernels: the library's hooks where they win on this device (accel.runtime.policy). LayerNorm modules
+   already built are switched to FusedLayerNorm in place (same parameters); fused Adam is a hook on
+   torch.optim.Adam/AdamW, so it reaches the optimizer the user builds next.
+5. activation checkpointing (memory.gc): the blocks named by memory.gc_cls, or the repeated blocks
+   auto_checkpoint finds; memory.gc_cnt limits it to the first N.
+6. packing (dataloader.pack): the model is wrapped to take packed rows (accel.compiler.packed).
+7. compile (compute.compile): cuda and cpu compile the module in place with torch.compile, static
+   shapes (one graph per bucket shape), CUDA graphs on cuda when compute.cuda_graphs; optimizers
+   built over the model's parameters get a compiled step too (accel.compiler.optimizer). On xla the
+   lazy-tensor device itself is the compiler.
+8. the loader: static shapes by bucketing (dataloader.buckets / max_length / num_buckets: every batch
+   padded to a bucket length) or packing; then the backend's device loader (MpDeviceLoader on xla,
+   the Prefetcher with pinned host memory on cuda, the Prefetcher's background reads on cpu).
+
+The model is modified in place where possible (kernels, checkpointing, compile) and returned; its
+state_dict keys stay as they were except under packing (the wrapper holds the model as `.model`).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import nn
+
+from accel.amp.autocast_mode import autocast
+from accel.config import Config
+from accel.utils.cpu import native_bf16, warn_emulated_bf16
+from accel.utils.xla import require_xla, xla_available
+
+__all__ = ["accelerate", "resolve_backend"]
+
+
+def resolve_backend(backend: str) -> str:
+    """'auto' -> 'cuda' | 'xla' | 'cpu' (see the module docstring); others are checked against the machine."""
+    if backend == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        return "xla" if xla_available() else "cpu"
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise ValueError("backend: 'cuda' needs a CUDA GPU, and torch.cuda.is_available() is False here")
+    if backend == "xla":
+        require_xla("backend='xla'")
+    return backend
+
+
+def _device(backend: str) -> torch.device:
+    if backend == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "xla":
+        from accel.xla import xla_device
+
+        return xla_device()
+    return torch.device("cpu")
+
+
+def _xla_on_cpu() -> bool:
+    import os
+
+    return os.environ.get("PJRT_DEVICE", "").upper() == "CPU"
+
+
+def _autocast_dtype(config: Config, backend: str) -> torch.dtype | None:
+    """The autocast dtype, or None for fp32 (also where the device would only emulate the dtype)."""
+    wanted = torch.bfloat16 if config.compute.bf16 else torch.float16 if config.compute.fp16 else None
+    if wanted is None:
+        return None
+    on_cpu = backend == "cpu" or (backend == "xla" and _xla_on_cpu())
+    if on_cpu and not native_bf16():
+        name = "compute.bf16" if wanted is torch.bfloat16 else "compute.fp16"
+        warn_emulated_bf16(f"accelerate(): {name} stays fp32 on this CPU")
+        return None
+    return wanted
+
+
+class _AutocastForward:
+    """The model's forward under autocast. Set as the instance's `forward`, so module names, hooks and
+    state_dict keys stay unchanged; a plain object (not a closure) so the model still pickles."""
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype):
+        self.module = module
+        self.inner = module.__dict__.get("forward")  # an instance forward set before us, if any
+        self.device_type = device_type
+        self.dtype = dtype
+
+    def __call__(self, *args, **kwargs):
+        with autocast(self.device_type, dtype=self.dtype):
+            if self.inner is not None:
+                return self.inner(*args, **kwargs)
+            return type(self.module).forward(self.module, *args, **kwargs)
+
+
+def _apply_kernels(model: nn.Module, kernels: frozenset[str]) -> None:
+    from accel.runtime import hooks, policy
+
+    if policy.LAYER_NORM in kernels:
+        from accel.runtime.nn.layer_norm import FusedLayerNorm, _TorchLayerNorm
+
+        hooks.enable_fused_layer_norm()  # layers built later (e.g. by the user's code) too
+        for module in model.modules():
+            if type(module) is _TorchLayerNorm:
+                module.__class__ = FusedLayerNorm  # same attributes and parameters: only forward differs
+    if policy.ADAM in kernels:
+        hooks.enable_fused_adam()
+
+
+def _compile(model: nn.Module, backend: str, cuda_graphs: bool, n_shapes: int) -> None:
+    import torch._dynamo
+
+    # One graph per static shape (bucket lengths, plus a short last batch of each): keep them all cached.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 2 * n_shapes + 2))
+            break
+    mode = "reduce-overhead" if backend == "cuda" and cuda_graphs else None
+    model.compile(dynamic=False, mode=mode)
+
+
+def _wrap_loader(loader, config: Config, backend: str, device: torch.device):
+    from accel.data.bucketing import BucketPaddedLoader
+    from accel.data.device_loader import MpDeviceLoader
+    from accel.runtime.io.prefetcher import Prefetcher
+
+    dl = config.dataloader
+    if dl.pack:
+        from accel.data.packing import packed_loader_like
+
+        loader = packed_loader_like(loader, dl.max_length, pad_token_id=int(dl.pad_value_dict.get("input_ids", 0)))
+    elif dl.bucket_lengths() is not None:
+        loader = BucketPaddedLoader(loader, dl.bucket_lengths(), dl.pad_value_dict)
+    if backend == "xla":
+        return MpDeviceLoader(loader, device)
+    return Prefetcher(loader, device=device)
+
+
+def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
+    """Apply accel's compiler path, kernels, precision, checkpointing and static-shape loading.
+
+    Args:
+        model: the model, built on the CPU or already on the target device.
+        dataloader: optional; a DataLoader (or any re-iterable of batches). Bucketing needs batches that
+            are mappings with an "input_ids" [B, L] tensor; packing needs a DataLoader over a map-style
+            dataset of samples with "input_ids" (see accel.data.packing).
+        config: an accel.Config (None: the defaults). It is validated, then copied: later changes to it
+            do not reach the returned model.
+
+    Returns:
+        (model, loader) when a dataloader is given, else the model. Build the optimizer from the returned
+        model's parameters.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if config is None:
+        config = Config()
+    if not isinstance(config, Config):
+        raise ValueError(f"config: expected an accel.Config or None, got {type(config).__name__}")
+    config.validate()
+    config = copy.deepcopy(config)
+    if dataloader is not None and not hasattr(dataloader, "__iter__"):
+        raise ValueError(f"dataloader: expected None or an iterable of batches, got {type(dataloader).__name__}")
+    if (config.dataloader.pack or config.dataloader.bucket_lengths()) and dataloader is None:
+        warnings.warn("accelerate(): config.dataloader asks for static shapes but no dataloader was given",
+                      stacklevel=2)
+
+    backend = resolve_backend(config.backend)
+    device = _device(backend)
+    dtype = _autocast_dtype(config, backend)
+    compiled = config.compute.compile and backend != "xla"
+
+    model = model.to(device)
+    if config.compute.kernels:
+        from accel.runtime.policy import helpful_kernels
+
+        _apply_kernels(model, helpful_kernels(backend, compiled, dtype))
+    if config.memory.gc:
+        from accel.checkpoint import auto_checkpoint
+
+        auto_checkpoint(model, block_classes=config.memory.gc_cls, count=config.memory.gc_cnt)
+    if dtype is not None:
+        object.__setattr__(model, "forward", _AutocastForward(model, device.type, dtype))
+    if config.dataloader.pack:
+        from accel.compiler.packed import PackedModel
+
+        model = PackedModel(model)
+    if compiled:
+        from accel.compiler.optimizer import compile_optimizer_steps
+
+        buckets = config.dataloader.bucket_lengths() or [0]
+        _compile(model, backend, config.compute.cuda_graphs, len(buckets))
+        compile_optimizer_steps(model)
+
+    if dataloader is None:
+        return model
+    return model, _wrap_loader(dataloader, config, backend, device)
