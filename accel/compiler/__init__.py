@@ -1,0 +1,1 @@
+"""The compiler path on CUDA and CPU: torch.compile with static shapes."""
