@@ -6,3 +6,5 @@ Nothing here imports torch_xla or needs CUDA at import time.
 """
 __version__ = "0.1.0"
 from accel.checkpoint import auto_checkpoint
+from accel.config import Config
+from accel.accelerate import accelerate

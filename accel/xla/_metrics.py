@@ -3,14 +3,60 @@
 torch_xla keeps cumulative counters; the questions users ask ("did this loop recompile?",
 "does the steady state copy anything to the host?") are about differences, so a snapshot
 supports subtraction.
+
+torch_xla counts compilations but does not say which inputs caused them; an
+accel.compiler.recompile_guard.RecompileGuard watching an XLA loop records each step whose compile
+count grew, with that step's input shapes (record_compilation), and metrics().compilations lists them.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from accel.utils.xla import require_xla
 
 _NS_PER_S = 1e9
+# A loop that recompiles every step would otherwise grow this list without bound; the oldest go first.
+_MAX_COMPILATIONS = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaCompilation:
+    """The XLA compilations a RecompileGuard saw during one step, with the inputs of that step.
+
+    Attributes:
+        step: the guard's step number (1-based).
+        count: how many graphs XLA compiled during that step.
+        warmup: whether the step was one of the guard's warm-up steps (compiling there is expected).
+        cause: what changed against the reference step, e.g. "batch['input_ids'] dim 1: 128 -> 131".
+        inputs: (path, shape, dtype) of each tensor input of the step; shape is None and dtype holds
+            repr(value) for a Python scalar input.
+        guard: the name of the guard that recorded it.
+    """
+
+    step: int
+    count: int
+    warmup: bool
+    cause: str
+    inputs: tuple = ()
+    guard: str = ""
+
+
+_COMPILATIONS: collections.deque = collections.deque(maxlen=_MAX_COMPILATIONS)
+
+
+def record_compilation(compilation: XlaCompilation) -> None:
+    """Add one entry to the list metrics().compilations returns (called by RecompileGuard).
+
+    Args:
+        compilation: the step's compilations and the input shapes that caused them.
+
+    Raises:
+        ValueError: compilation is not an XlaCompilation.
+    """
+    if not isinstance(compilation, XlaCompilation):
+        raise ValueError(f"compilation must be an XlaCompilation, got {type(compilation).__name__}")
+    _COMPILATIONS.append(compilation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,13 +68,21 @@ class XlaMetrics:
     item_calls: int = 0  # tensor.item()/bool(tensor) and friends: each one stalls for the device
     compile_time_s: float = 0.0
     execute_time_s: float = 0.0
+    # XlaCompilation entries recorded by RecompileGuards (empty when no guard watches the loop).
+    compilations: tuple = ()
 
     def __sub__(self, earlier: "XlaMetrics") -> "XlaMetrics":
         if not isinstance(earlier, XlaMetrics):
             return NotImplemented
-        return XlaMetrics(
-            **{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in dataclasses.fields(self)}
-        )
+        counts = {
+            f.name: getattr(self, f.name) - getattr(earlier, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "compilations"
+        }
+        # The entries recorded since `earlier`; compared by identity because the list may have dropped
+        # its oldest entries in between, so positions do not line up.
+        seen = {id(c) for c in earlier.compilations}
+        return XlaMetrics(**counts, compilations=tuple(c for c in self.compilations if id(c) not in seen))
 
     def since(self, earlier: "XlaMetrics") -> "XlaMetrics":
         """What happened between ``earlier`` and this snapshot (same as ``self - earlier``)."""
@@ -58,7 +112,15 @@ def metrics(wait: bool = True) -> XlaMetrics:
     """Snapshot of compile/execute/transfer counts since the process started (or clear_metrics()).
 
     Executions launched by sync() finish in the background and are counted when they finish,
-    so by default we first wait for the device to go idle (no transfer, no graph cut).
+    so by default we first wait for the device to go idle (no transfer, no graph cut). Compilations
+    happen inside sync() itself (torch_xla 2.9), so `compiles` is exact without waiting.
+
+    Args:
+        wait: wait for pending device work first, so that `executions` and the transfer counts are final.
+
+    Returns:
+        An XlaMetrics snapshot; its `compilations` lists the compilations RecompileGuards attributed
+        to input shapes (XlaCompilation entries, oldest first).
     """
     if not isinstance(wait, bool):
         raise ValueError(f"wait must be a bool, got {wait!r}")
@@ -82,6 +144,7 @@ def metrics(wait: bool = True) -> XlaMetrics:
         item_calls=int(items),
         compile_time_s=compile_ns / _NS_PER_S,
         execute_time_s=execute_ns / _NS_PER_S,
+        compilations=tuple(_COMPILATIONS),
     )
 
 
@@ -98,3 +161,4 @@ def clear_metrics() -> None:
     import torch_xla.debug.metrics as met
 
     met.clear_all()
+    _COMPILATIONS.clear()

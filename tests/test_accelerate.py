@@ -1,0 +1,270 @@
+"""accel.accelerate(): each backend present here, config errors, precision choice, kernels, gc, compile,
+and static-shape loaders, against the same model trained plainly."""
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import accel
+import importlib
+import accel.utils.cpu as cpu_module
+
+from accel.checkpoint import checkpoint_plan
+from accel.compiler.optimizer import has_compiled_step
+from accel.config import Config
+from accel.runtime import hooks
+from accel.utils.xla import xla_available
+
+accelerate_module = importlib.import_module("accel.accelerate")  # accel.accelerate is the function
+transformers = pytest.importorskip("transformers", reason="accelerate() is tested on transformers' BERT")
+VOCAB = 97
+
+
+def tiny_bert(seed=0, layers=2):
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=64, num_labels=2,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(seed)
+    return transformers.BertForSequenceClassification(cfg).train()
+
+
+def samples(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g), "labels": torch.tensor(i % 2)}
+            for i, n in enumerate(lengths)]
+
+
+def pad_to_longest(batch):
+    """What transformers' DataCollatorWithPadding does: pad each batch to its longest sample."""
+    width = max(len(s["input_ids"]) for s in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for i, s in enumerate(batch):
+        ids[i, :len(s["input_ids"])] = s["input_ids"]
+        mask[i, :len(s["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.stack([s["labels"] for s in batch])}
+
+
+LENGTHS = [5, 9, 13, 17, 30, 7, 3, 12]
+
+
+def loader(lengths=LENGTHS, batch_size=2):
+    return torch.utils.data.DataLoader(samples(lengths), batch_size=batch_size, collate_fn=pad_to_longest)
+
+
+def cpu_config(**compute):
+    c = Config(backend="cpu")
+    for k, v in compute.items():
+        setattr(c.compute, k, v)
+    return c
+
+
+@pytest.fixture(autouse=True)
+def _restore_hooks():
+    yield
+    hooks.disable_fused_layer_norm()
+    hooks.disable_fused_adam()
+
+
+def train(model, batches, opt):
+    losses = []
+    for b in batches:
+        loss = model(**b)["loss"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+# --------------------------------------------------------------------------- arguments and backends
+
+def test_bad_arguments_name_the_argument():
+    with pytest.raises(ValueError, match="model"):
+        accel.accelerate("not a model")
+    with pytest.raises(ValueError, match="config"):
+        accel.accelerate(nn.Linear(2, 2), config={"backend": "cpu"})
+    with pytest.raises(ValueError, match="dataloader"):
+        accel.accelerate(nn.Linear(2, 2), 42, cpu_config(compile=False))
+    bad = Config(backend="cpu")
+    bad.compute.fp16 = bad.compute.bf16 = True  # assigned after construction: caught by validate()
+    with pytest.raises(ValueError, match="compute.fp16 and compute.bf16 are exclusive"):
+        accel.accelerate(nn.Linear(2, 2), config=bad)
+
+
+def test_backend_auto_picks_cuda_then_xla_then_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert accelerate_module.resolve_backend("auto") == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(accelerate_module, "xla_available", lambda: True)
+    assert accelerate_module.resolve_backend("auto") == "xla"
+    monkeypatch.setattr(accelerate_module, "xla_available", lambda: False)
+    assert accelerate_module.resolve_backend("auto") == "cpu"
+    with pytest.raises(ValueError, match="backend: 'cuda' needs a CUDA GPU"):
+        accelerate_module.resolve_backend("cuda")
+
+
+def test_without_a_loader_returns_the_model_and_keeps_its_outputs():
+    ref, model = tiny_bert(), tiny_bert()
+    out = accel.accelerate(model, config=cpu_config(compile=False, kernels=False))
+    assert out is model
+    batch = pad_to_longest(samples([6, 4]))
+    torch.testing.assert_close(model(**batch).logits, ref(**batch).logits, rtol=0, atol=0)
+
+
+def test_the_config_is_copied_not_shared():
+    config = cpu_config(compile=False)
+    config.dataloader.buckets = [32]
+    model, wrapped = accel.accelerate(tiny_bert(), loader(), config)
+    config.dataloader.buckets = [64]  # too late: the loader keeps what accelerate() saw
+    assert {b["input_ids"].shape[1] for b in wrapped} == {32}
+
+
+# --------------------------------------------------------------------------- precision
+
+def test_bf16_on_a_cpu_without_native_bf16_stays_fp32_and_says_so_once(monkeypatch):
+    monkeypatch.setattr(accelerate_module, "native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_module, "_warned", set())
+    config = cpu_config(compile=False, bf16=True)
+    with pytest.warns(RuntimeWarning, match="compute.bf16 stays fp32"):
+        model = accel.accelerate(tiny_bert(), config=config)
+    assert "forward" not in model.__dict__  # no autocast wrapper
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        accel.accelerate(tiny_bert(), config=config)  # once only
+
+
+def test_bf16_with_native_bf16_runs_the_forward_under_autocast(monkeypatch):
+    monkeypatch.setattr(accelerate_module, "native_bf16", lambda: True)
+    ref, model = tiny_bert(), tiny_bert()
+    accel.accelerate(model, config=cpu_config(compile=False, kernels=False, bf16=True))
+    batch = pad_to_longest(samples([6, 4]))
+    logits = model(**batch).logits
+    assert logits.dtype is torch.bfloat16  # the classifier's Linear ran in bf16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = ref(**batch).logits
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    assert not torch.is_autocast_enabled("cpu")  # the region ends with the forward
+    clone = pickle.loads(pickle.dumps(model))    # the wrapper pickles with the model
+    torch.testing.assert_close(clone(**batch).logits, expected, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- kernels and gc
+
+def test_kernels_where_they_help_eager_cpu_fp32():
+    from accel.runtime.nn.layer_norm import FusedLayerNorm
+    from accel.runtime.optim import FusedAdamW
+
+    ref, model = tiny_bert(), tiny_bert()
+    accel.accelerate(model, config=cpu_config(compile=False))
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    assert norms and all(type(m) is FusedLayerNorm for m in norms)
+    assert type(torch.optim.AdamW(model.parameters())) is FusedAdamW  # the optimizer built next
+    assert model.state_dict().keys() == ref.state_dict().keys()
+    batch = pad_to_longest(samples([6, 4]))
+    torch.testing.assert_close(model(**batch).logits, ref(**batch).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_no_kernels_when_compiled_or_switched_off():
+    model = accel.accelerate(tiny_bert(), config=cpu_config(compile=False, kernels=False))
+    assert all(type(m) is nn.LayerNorm for m in model.modules() if isinstance(m, nn.LayerNorm))
+    assert not hooks.fused_adam_enabled()
+
+
+@pytest.mark.parametrize("gc_cls, gc_cnt, expected", [
+    (None, None, ["bert.encoder.layer.0", "bert.encoder.layer.1", "bert.encoder.layer.2"]),
+    ({"BertLayer"}, 2, ["bert.encoder.layer.0", "bert.encoder.layer.1"]),
+])
+def test_gc_checkpoints_named_or_found_blocks(gc_cls, gc_cnt, expected):
+    config = cpu_config(compile=False, kernels=False)
+    config.memory.gc, config.memory.gc_cls, config.memory.gc_cnt = True, gc_cls, gc_cnt
+    ref, model = tiny_bert(layers=3), tiny_bert(layers=3)
+    accel.accelerate(model, config=config)
+    assert checkpoint_plan(model).checkpointed == expected
+    batch = pad_to_longest(samples([6, 4]))
+    ref(**batch).loss.backward()
+    model(**batch).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+# --------------------------------------------------------------------------- loaders
+
+def test_bucketed_loader_produces_only_bucket_shapes_with_the_same_data():
+    config = cpu_config(compile=False, kernels=False)
+    config.dataloader.buckets = [8, 16, 32]
+    _, wrapped = accel.accelerate(tiny_bert(), loader(), config)
+    seen = []
+    for got, plain in zip(wrapped, loader()):
+        width, n = got["input_ids"].shape[1], plain["input_ids"].shape[1]
+        seen.append(width)
+        assert width == min(b for b in (8, 16, 32) if b >= n)
+        assert torch.equal(got["input_ids"][:, :n], plain["input_ids"])
+        assert torch.equal(got["attention_mask"][:, :n], plain["attention_mask"])
+        assert not got["input_ids"][:, n:].any() and not got["attention_mask"][:, n:].any()
+        assert torch.equal(got["labels"], plain["labels"])
+    assert seen == [16, 32, 32, 16]
+
+
+def test_a_batch_longer_than_every_bucket_is_an_error():
+    config = cpu_config(compile=False, kernels=False)
+    config.dataloader.buckets = [8, 16]
+    _, wrapped = accel.accelerate(tiny_bert(), loader(), config)
+    with pytest.raises(ValueError, match="longer than the largest bucket 16"):
+        list(wrapped)
+
+
+# --------------------------------------------------------------------------- the compiled path on the CPU
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager_and_compiles_the_optimizer_step():
+    """torch.compile (Inductor on the CPU) of the model and of the optimizer step, one graph per bucket:
+    the same losses and weights as the plain model trained on the unpadded batches."""
+    torch._dynamo.reset()
+    ref, model = tiny_bert(), tiny_bert()
+    config = cpu_config()
+    config.dataloader.buckets = [16, 32]
+    model, wrapped = accel.accelerate(model, loader(), config)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    losses = train(model, wrapped, opt)
+    ref_losses = train(ref, loader(), ref_opt)
+    assert has_compiled_step(opt) and not has_compiled_step(ref_opt)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- xla
+
+@pytest.mark.slow
+@pytest.mark.skipif(not xla_available(), reason="the xla backend needs torch_xla")
+def test_xla_backend_moves_the_model_and_loads_batches_onto_the_device():
+    from accel.data.device_loader import MpDeviceLoader
+
+    ref, model = tiny_bert(), tiny_bert()
+    config = Config(backend="xla")
+    config.dataloader.buckets = [32]
+    model, wrapped = accel.accelerate(model, loader(), config)
+    assert isinstance(wrapped, MpDeviceLoader)
+    assert all(p.device.type == "xla" for p in model.parameters())
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses = []
+    for b in wrapped:
+        assert b["input_ids"].device.type == "xla" and b["input_ids"].shape[1] == 32
+        loss = model(**b)["loss"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    ref_losses = train(ref, loader(), ref_opt)
+    torch.testing.assert_close(torch.stack(losses).cpu(), ref_losses, rtol=1e-4, atol=1e-5)
+
+
+def test_accelerated_model_deepcopies():
+    model = accel.accelerate(tiny_bert(), config=cpu_config(compile=False, kernels=False))
+    clone = copy.deepcopy(model)
+    batch = pad_to_longest(samples([6, 4]))
+    torch.testing.assert_close(clone(**batch).logits, model(**batch).logits, rtol=0, atol=0)
