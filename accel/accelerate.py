@@ -26,7 +26,8 @@ What it does, in order (each step says why it sits where it does):
    lazy-tensor device itself is the compiler.
 8. the loader: static shapes by bucketing (dataloader.buckets / max_length / num_buckets: every batch
    padded to a bucket length) or packing; then the backend's device loader (MpDeviceLoader on xla,
-   the Prefetcher with pinned host memory on cuda, the Prefetcher's background reads on cpu).
+   the Prefetcher with pinned host memory on cuda, the Prefetcher's background reads on cpu); with
+   compute.recompile_guard, a guard that warns about compilations after the first steps.
 
 The model is modified in place where possible (kernels, checkpointing, compile) and returned; its
 state_dict keys stay as they were except under packing (the wrapper holds the model as `.model`).
@@ -144,9 +145,12 @@ def _wrap_loader(loader, config: Config, backend: str, device: torch.device):
         loader = packed_loader_like(loader, dl.max_length, pad_token_id=int(dl.pad_value_dict.get("input_ids", 0)))
     elif dl.bucket_lengths() is not None:
         loader = BucketPaddedLoader(loader, dl.bucket_lengths(), dl.pad_value_dict)
-    if backend == "xla":
-        return MpDeviceLoader(loader, device)
-    return Prefetcher(loader, device=device)
+    loader = MpDeviceLoader(loader, device) if backend == "xla" else Prefetcher(loader, device=device)
+    if config.compute.recompile_guard:
+        from accel.compiler.recompile_guard import GuardedLoader, RecompileGuard
+
+        loader = GuardedLoader(loader, RecompileGuard(backend="xla" if backend == "xla" else "dynamo"))
+    return loader
 
 
 def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):

@@ -67,7 +67,10 @@ class ComputeConfig(_Section):
     compile: run the model as static graphs (torch.compile on cuda/cpu; the XLA device on xla).
     cuda_graphs: replay the compiled step with CUDA graphs (cuda backend only; needs compile).
     kernels: use accel's kernel library where it beats what the backend already does on this device
-        (see accel.kernel_policy: decided by measurement, not by default).
+        (see accel.runtime.policy: decided by measurement, not by default).
+    recompile_guard: warn when compilations keep growing after the first steps, naming the input and
+        the dimension whose shape changed (accel.compiler.recompile_guard; the returned loader's
+        `recompile_guard` attribute holds the report). Off by default: opt in.
     """
 
     _prefix = "compute"
@@ -76,6 +79,7 @@ class ComputeConfig(_Section):
     compile: bool = True
     cuda_graphs: bool = True
     kernels: bool = True
+    recompile_guard: bool = False
 
     def _check(self) -> None:
         for f in fields(self):

@@ -268,3 +268,19 @@ def test_accelerated_model_deepcopies():
     clone = copy.deepcopy(model)
     batch = pad_to_longest(samples([6, 4]))
     torch.testing.assert_close(clone(**batch).logits, model(**batch).logits, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_recompile_guard_names_the_input_whose_shape_keeps_changing():
+    """Opt-in: with no buckets every batch has its own length; after the warm-up the guard names it."""
+    from accel.compiler.recompile_guard import RecompileWarning
+
+    torch._dynamo.reset()
+    config = cpu_config(kernels=False)
+    config.compute.recompile_guard = True
+    model, wrapped = accel.accelerate(tiny_bert(), loader([4, 4, 4, 4, 4, 4, 4, 4, 9, 9]), config)
+    with pytest.warns(RecompileWarning, match=r"batch\['input_ids'\] dim 1: 4 -> 9"):
+        for b in wrapped:
+            model(**b)["loss"].backward()
+    events = wrapped.recompile_guard.report()
+    assert [e.step for e in events if not e.warmup] == [5]

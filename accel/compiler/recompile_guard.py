@@ -579,3 +579,37 @@ def guard_module(
 
 
 __all__ = ["RecompileEvent", "RecompileGuard", "RecompileWarning", "guard_module"]
+
+
+class GuardedLoader:
+    """Iterate `loader` with one guard step per batch, for loops that only iterate (accelerate()'s loader).
+
+    Batch k's shapes are recorded when it is handed out, and its step is closed when batch k+1 is asked
+    for: by then its forward, backward and optimizer step (and on XLA the sync) have run, so the
+    compilations they caused are counted against it. The last batch's step closes when the pass ends.
+    """
+
+    def __init__(self, loader, guard: RecompileGuard):
+        if not isinstance(guard, RecompileGuard):
+            raise ValueError(f"guard: expected a RecompileGuard, got {type(guard).__name__}")
+        self.loader = loader
+        self.recompile_guard = guard
+
+    def __iter__(self):
+        open_step = False
+        for batch in self.loader:
+            if open_step:
+                self.recompile_guard.step()
+            self.recompile_guard.observe(batch)
+            open_step = True
+            yield batch
+        if open_step:
+            self.recompile_guard.step()
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
