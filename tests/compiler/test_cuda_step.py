@@ -1,0 +1,106 @@
+"""The compiled CUDA step: accelerate() on cuda (torch.compile, CUDA graphs, compiled optimizer step) runs
+whole fp16 and bf16 training steps without a host sync, and an inf in the fp16 loss skips the update.
+
+Needs a CUDA GPU; skipped elsewhere (the CPU compile path is tested in tests/test_accelerate.py)."""
+import contextlib
+import copy
+
+import pytest
+import torch
+
+import accel
+from accel.amp import GradScaler, syncfree
+from accel.compiler.optimizer import has_compiled_step
+
+transformers = pytest.importorskip("transformers", reason="the compiled step is tested on transformers' BERT")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+VOCAB, BATCH, SEQ, WARMUP = 101, 4, 32, 3
+
+
+def tiny_bert():
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=128, max_position_embeddings=SEQ, num_labels=2)
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(cfg).train()
+
+
+def batches(n):
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(1, VOCAB, (BATCH, SEQ), generator=g),
+             "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long),
+             "labels": torch.randint(0, 2, (BATCH,), generator=g)} for _ in range(n)]
+
+
+def accelerated(precision):
+    torch._dynamo.reset()
+    config = accel.Config(backend="cuda")
+    setattr(config.compute, precision, True)
+    return accel.accelerate(tiny_bert(), batches(WARMUP + 3), config)
+
+
+@contextlib.contextmanager
+def no_host_sync(on: bool):
+    """torch raises on any host sync inside (after the warm-up steps, which compile and record graphs)."""
+    if not on:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_fp16_step_is_sync_free_and_an_inf_skips_the_update():
+    model, loader = accelerated("fp16")
+    opt = syncfree.AdamW(model.parameters(), lr=1e-3)
+    scaler = GradScaler()
+    for i, batch in enumerate(loader):
+        inf_step = i == WARMUP + 1
+        with no_host_sync(i >= WARMUP):
+            loss = model(**batch)["loss"]
+            if inf_step:
+                before = [p.detach().clone() for p in model.parameters()]
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=False)
+            if inf_step:
+                after = [p.detach().clone() for p in model.parameters()]
+    assert has_compiled_step(opt)
+    for old, new in zip(before, after):
+        assert torch.equal(old, new)  # the inf step changed no weight
+    assert scaler.get_scale() < 2.0**16  # and backed the scale off
+
+
+def test_bf16_step_is_sync_free_and_trains_like_eager():
+    model, loader = accelerated("bf16")
+    ref = tiny_bert().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    losses, ref_losses = [], []
+    for i, (batch, plain) in enumerate(zip(loader, batches(WARMUP + 3))):
+        with no_host_sync(i >= WARMUP):
+            loss = model(**batch)["loss"]
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            losses.append(loss.detach().clone())
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref_loss = ref(**{k: v.cuda() for k, v in plain.items()})["loss"]
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss.detach())
+    assert has_compiled_step(opt)
+    torch.testing.assert_close(torch.stack(losses).float(), torch.stack(ref_losses).float(), rtol=3e-2, atol=3e-2)
+
+
+def test_accelerate_on_cuda_keeps_the_model_in_place_and_loads_batches_onto_the_gpu():
+    model, loader = accelerated("bf16")
+    assert all(p.is_cuda for p in model.parameters())
+    assert set(model.state_dict()) == set(tiny_bert().state_dict())  # compiled in place: same keys
+    batch = next(iter(loader))
+    assert batch["input_ids"].is_cuda
+    copy.deepcopy(model.state_dict())
