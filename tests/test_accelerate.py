@@ -284,3 +284,28 @@ def test_recompile_guard_names_the_input_whose_shape_keeps_changing():
             model(**b)["loss"].backward()
     events = wrapped.recompile_guard.report()
     assert [e.step for e in events if not e.warmup] == [5]
+
+
+def test_pack_gives_packed_rows_and_the_loss_of_the_samples_alone():
+    """dataloader.pack: rows of max_length holding several samples; the loss is the mean over samples of
+    each sample's loss computed alone."""
+    config = cpu_config(compile=False, kernels=False)
+    config.dataloader.pack, config.dataloader.max_length = True, 32
+    ref = tiny_bert()
+    model, wrapped = accel.accelerate(tiny_bert(), loader(batch_size=4), config)
+    seen = []
+    for batch in wrapped:
+        assert batch["input_ids"].shape[1] == 32 and "segment_ids" in batch
+        loss = model(**batch)["loss"]
+        per_sample = []
+        for row, lens in zip(batch["input_ids"], batch["seq_lens"]):
+            start = 0
+            for n in lens.tolist():
+                if n:
+                    sample = row[start:start + n].unsqueeze(0)
+                    label = next(s["labels"] for s in samples(LENGTHS) if torch.equal(s["input_ids"], sample[0]))
+                    per_sample.append(ref(input_ids=sample, labels=label.view(1)).loss)
+                    seen.append(n)
+                start += n
+        torch.testing.assert_close(loss, torch.stack(per_sample).mean(), rtol=1e-5, atol=1e-6)
+    assert sorted(seen) == sorted(LENGTHS)  # every sample exactly once

@@ -257,7 +257,7 @@ def block_diagonal_mask(segment_ids: torch.Tensor, form: str = "bool", dtype: to
         return allowed
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype for an additive mask, got {dtype}")
-    additive = torch.zeros(allowed.shape, dtype=dtype)
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device)
     additive.masked_fill_(~allowed, torch.finfo(dtype).min)
     return additive.unsqueeze(1)
 

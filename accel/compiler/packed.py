@@ -1,0 +1,277 @@
+"""Training a transformers encoder on packed rows, every sample computed as if it were alone.
+
+A packed row (accel.data.packing) holds several samples back to back in one static shape. Position ids that
+restart per sample are not enough to keep them apart: attention would still mix the samples, and a
+sequence-classification head pools only the row's first token, so a row would get one prediction instead of
+one per sample. `document_mask` keeps attention inside each sample (a FlexAttention BlockMask, or a 4-D mask
+for SDPA and eager attention; transformers' mask builders return any 4-D mask unchanged, so it reaches every
+attention layer as built), and `PackedModel` runs the model with that mask and the restarting position ids.
+For sequence classification it pools each sample's first token and takes the loss over the samples. A packed
+batch then gives each sample the same logits, loss and gradients as running the samples one at a time
+(tests/compiler/test_packed.py). torch 2.9 has no varlen attention module (torch.nn.attention.varlen) and
+transformers does not dispatch to one, so varlen kernels are not a backend here.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+from accel.data.packing import LABEL_PAD, block_diagonal_mask
+
+FLEX = "flex_attention"
+BACKENDS = (FLEX, "sdpa", "eager")
+# Heads whose loss is already per token: with attention kept per sample, the model's own loss over the packed
+# per-token labels is the loss over the same tokens unpacked.
+_TOKEN_HEADS = ("ForMaskedLM", "ForTokenClassification")
+_SEQUENCE_HEAD = "ForSequenceClassification"
+
+
+def document_mask(segment_ids: torch.Tensor, backend: str, dtype: torch.dtype = torch.float32
+                  ) -> BlockMask | torch.Tensor:
+    """The attention mask that lets each token of a packed batch see only its own sample.
+
+    Padding (segment 0) attends to padding only, so no softmax row is empty and padding never reaches a sample.
+
+    Args:
+        segment_ids: [B, L] integer tensor, 1, 2, ... per packed sample and 0 for the padding tail.
+        backend: the model's `config._attn_implementation`: "flex_attention", "sdpa" or "eager".
+        dtype: the model's floating dtype; used only by the additive mask for "eager".
+
+    Returns:
+        "flex_attention": a BlockMask of shape (B, 1, L, L) on segment_ids' device.
+        "sdpa": a bool tensor [B, 1, L, L], True where attention is allowed. Bool rather than additive because
+            SDPA needs a float mask in the query's dtype, which under autocast is not the model's dtype.
+        "eager": an additive float tensor [B, 1, L, L] in `dtype`: 0 where allowed, dtype's minimum elsewhere.
+    """
+    if not isinstance(segment_ids, torch.Tensor) or segment_ids.dim() != 2:
+        shape = tuple(segment_ids.shape) if isinstance(segment_ids, torch.Tensor) else type(segment_ids).__name__
+        raise ValueError(f"segment_ids must be a [B, L] tensor, got {shape}")
+    if segment_ids.dtype.is_floating_point or segment_ids.dtype.is_complex or segment_ids.dtype == torch.bool:
+        raise ValueError(f"segment_ids must hold integers, got dtype {segment_ids.dtype}")
+    if backend == FLEX:
+        batch, length = segment_ids.shape
+
+        def same_segment(b, h, q_idx, kv_idx):
+            return segment_ids[b, q_idx] == segment_ids[b, kv_idx]
+
+        # H=None: one mask shared by every head.
+        return create_block_mask(same_segment, batch, None, length, length, device=segment_ids.device)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+    allowed = block_diagonal_mask(segment_ids, "bool").unsqueeze(1)  # [B, 1, L, L]
+    if backend == "sdpa":
+        return allowed
+    # Built from the bool mask on segment_ids' device (block_diagonal_mask's additive form allocates on the CPU).
+    zero = torch.zeros((), dtype=dtype, device=segment_ids.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def _pools_first_token(pooler: nn.Module, hidden_size: int) -> bool:
+    """Whether pooler([N, T, H]) is [N, H] and depends on token 0 only (what BERT's pooler does)."""
+    weight = next(pooler.parameters(), None)
+    if weight is None or weight.device.type == "meta":
+        return True  # nothing to run it on; trust the structural checks
+    probe = torch.linspace(-1.0, 1.0, 2 * 3 * hidden_size, dtype=weight.dtype, device=weight.device)
+    probe = probe.view(2, 3, hidden_size)
+    was_training = pooler.training
+    pooler.eval()
+    try:
+        with torch.no_grad():
+            full, first = pooler(probe), pooler(probe[:, :1])
+    finally:
+        pooler.train(was_training)
+    return (isinstance(full, torch.Tensor) and full.shape == (2, hidden_size)
+            and torch.allclose(full, first, rtol=1e-4, atol=1e-5))
+
+
+def _move_keys(mapping: dict, old_prefix: str, new_prefix: str) -> None:
+    """Renames keys old_prefix + rest to new_prefix + rest in place, keeping their order."""
+    # Pop all first, then insert: a renamed key may equal a key not yet renamed (a wrapped model with a
+    # child named "model" has both "model.x" and "model.model.x" here).
+    moved = [(key, mapping.pop(key)) for key in [k for k in mapping if k.startswith(old_prefix)]]
+    for key, value in moved:
+        mapping[new_prefix + key[len(old_prefix):]] = value
+
+
+def _state_dict_without_wrapper(module, state_dict, prefix, local_metadata) -> None:
+    _move_keys(state_dict, prefix + "model.", prefix)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        _move_keys(metadata, prefix + "model.", prefix)
+        if prefix + "model" in metadata:
+            metadata[prefix[:-1]] = metadata.pop(prefix + "model")
+
+
+def _load_state_dict_into_wrapper(module, state_dict, prefix, *args) -> None:
+    _move_keys(state_dict, prefix, prefix + "model.")
+
+
+class PackedModel(nn.Module):
+    """Runs a transformers encoder on packed rows so each sample is computed as if it were alone.
+
+    Supported: encoder models (not decoders) whose class name ends in ForMaskedLM or ForTokenClassification
+    (the model's own per-token loss is used), or ForSequenceClassification with a BERT-style head
+    (`model.base_model.pooler` pooling the first token, then `model.dropout` and `model.classifier`),
+    single-label classification only; attention "flex_attention", "sdpa" or "eager".
+
+    The wrapped model is `self.model`, unchanged, and shares its parameters. `state_dict()` and
+    `load_state_dict()` use the wrapped model's keys (no "model." prefix), so checkpoints move freely between
+    the two; `named_parameters()` keeps the prefix, as for any submodule.
+
+    Args:
+        model: the transformers model to wrap.
+
+    Raises:
+        ValueError: a decoder or encoder-decoder model, an attention implementation not in BACKENDS, a head it
+            cannot pack, or a sequence classifier for regression / multi-label or without a first-token pooler.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        config = getattr(model, "config", None)
+        if not isinstance(model, nn.Module) or config is None:
+            raise ValueError("model must be a transformers model (an nn.Module with .config), "
+                             f"got {type(model).__name__}")
+        name = type(model).__name__
+        if getattr(config, "is_decoder", False) or getattr(config, "is_encoder_decoder", False):
+            raise ValueError(f"model {name} is a decoder or encoder-decoder; PackedModel supports encoders only "
+                             "(its block-diagonal mask has no causal part)")
+        backend = getattr(config, "_attn_implementation", None)
+        if backend not in BACKENDS:
+            raise ValueError(f"model's attention implementation must be one of {BACKENDS}, got {backend!r}")
+        if name.endswith(_TOKEN_HEADS):
+            self.head = "token"
+        elif name.endswith(_SEQUENCE_HEAD):
+            self.head = "sequence"
+            self._check_sequence_head(model)
+        else:
+            raise ValueError(f"model {name} has an unsupported head; PackedModel supports "
+                             f"*{', *'.join(_TOKEN_HEADS)} and *{_SEQUENCE_HEAD}")
+        self.model = model
+        self.register_state_dict_post_hook(_state_dict_without_wrapper)
+        self.register_load_state_dict_pre_hook(_load_state_dict_into_wrapper)
+
+    @staticmethod
+    def _check_sequence_head(model: nn.Module) -> None:
+        name, config = type(model).__name__, model.config
+        pooler = getattr(model.base_model, "pooler", None)
+        if not isinstance(pooler, nn.Module):
+            raise ValueError(f"model {name} has no pooler on its base model; PackedModel's sequence "
+                             "classification needs a BERT-style pooler (model.base_model.pooler)")
+        for part in ("dropout", "classifier"):
+            if not isinstance(getattr(model, part, None), nn.Module):
+                raise ValueError(f"model {name} has no .{part}; PackedModel's sequence classification needs "
+                                 "the BERT head pooler -> dropout -> classifier")
+        problem = getattr(config, "problem_type", None)
+        if config.num_labels < 2 or problem in ("regression", "multi_label_classification"):
+            raise ValueError(f"model {name} is set up for {problem or 'regression'} (num_labels="
+                             f"{config.num_labels}); PackedModel supports single-label classification only, as "
+                             "packed rows carry one class id per sample")
+        if not _pools_first_token(pooler, config.hidden_size):
+            raise ValueError(f"model {name}'s pooler ({type(pooler).__name__}) does not pool the first token "
+                             "of [N, T, H] into [N, H]; PackedModel cannot pool each packed sample with it")
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                seq_lens: torch.Tensor | None = None, **kwargs):
+        """Runs the packed batch; takes a PackedCollator(mask="none", keep_segment_info=True) batch as **batch.
+
+        Args:
+            input_ids, position_ids, segment_ids: [B, L] from PackedDataset (position ids restart at 0 per
+                sample, segment ids 1, 2, ... per sample and 0 for padding).
+            token_type_ids: optional [B, L].
+            labels: token heads: per-token [B, L], -100 ignored. Sequence classification: one class id per
+                segment [B, S] in segment order, -100 for missing segments.
+            seq_lens: optional [B, S] sample lengths; only its shape is used, to fix S for sequence
+                classification without labels (otherwise S = segment_ids.max(), a host sync that also breaks
+                a torch.compile graph).
+            **kwargs: passed to the model (e.g. output_hidden_states). attention_mask, cu_seqlens and
+                max_seqlen are refused: the mask is built here from segment_ids.
+
+        Returns:
+            Token heads: the model's own output (loss over the labelled tokens, logits [B, L, ...]).
+            Sequence classification: a SequenceClassifierOutput with logits [B, S, num_labels] (zeros where a
+            row has no segment s) and loss, the cross entropy averaged over the segments whose label is not
+            -100, i.e. `model(**unpacked).loss` over the same samples.
+        """
+        for key in ("attention_mask", "cu_seqlens", "max_seqlen"):
+            if key in kwargs:
+                raise ValueError(f"{key} must not be passed: PackedModel builds the attention mask from "
+                                 "segment_ids; make batches with PackedCollator(mask='none', keep_segment_info=True)")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError("input_ids must be a [B, L] tensor")
+        for arg, value in (("position_ids", position_ids), ("segment_ids", segment_ids),
+                           ("token_type_ids", token_type_ids)):
+            if value is not None and (not isinstance(value, torch.Tensor) or value.shape != input_ids.shape):
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"{arg} must have input_ids' shape {tuple(input_ids.shape)}, got {shape}")
+        if position_ids is None or segment_ids is None:
+            raise ValueError("position_ids and segment_ids are required (from PackedDataset)")
+
+        backend = self.model.config._attn_implementation
+        if (backend == FLEX and input_ids.device.type == "cpu" and torch.is_grad_enabled()
+                and any(p.requires_grad for p in self.model.parameters())):
+            # transformers always torch.compiles flex_attention, and Inductor has no FlexAttention backward on
+            # CPU (torch 2.9 fails with "InductorError: IndexError", pytorch/pytorch#169224). Forward under
+            # torch.no_grad() works.
+            raise RuntimeError("flex_attention cannot train on the CPU: Inductor has no FlexAttention backward "
+                               "there (pytorch/pytorch#169224); use attn_implementation='sdpa' on the CPU, or "
+                               "run the forward under torch.no_grad()")
+        mask = document_mask(segment_ids, backend, dtype=self.model.dtype)
+        if self.head == "token":
+            if labels is not None and labels.shape != input_ids.shape:
+                raise ValueError(f"labels must be per-token {tuple(input_ids.shape)} for {type(self.model).__name__}"
+                                 f", got {tuple(labels.shape)}")
+            return self.model(input_ids=input_ids, attention_mask=mask, token_type_ids=token_type_ids,
+                              position_ids=position_ids, labels=labels, **kwargs)
+        return self._classify(input_ids, position_ids, segment_ids, token_type_ids, labels, seq_lens, mask, kwargs)
+
+    def _classify(self, input_ids, position_ids, segment_ids, token_type_ids, labels, seq_lens, mask, kwargs):
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        batch, length = input_ids.shape
+        if seq_lens is not None:
+            if seq_lens.dim() != 2 or seq_lens.shape[0] != batch:
+                raise ValueError(f"seq_lens must be [B={batch}, S], got {tuple(seq_lens.shape)}")
+            segments = seq_lens.shape[1]
+        elif labels is not None:
+            segments = labels.shape[-1]
+        else:
+            segments = int(segment_ids.max())
+        if labels is not None and labels.shape != (batch, segments):
+            raise ValueError(f"labels must be one class id per segment, [B, S] = {(batch, segments)}, "
+                             f"got {tuple(labels.shape)}")
+
+        base = self.model.base_model
+        out = base(input_ids=input_ids, attention_mask=mask, token_type_ids=token_type_ids,
+                   position_ids=position_ids, return_dict=True, **kwargs)
+        hidden = out.last_hidden_state  # [B, L, H]
+        # First token of segment s in each row, from comparisons rather than a scatter: static shapes, and a
+        # segment id above S cannot index out of bounds. A row without segment s gets L.
+        positions = torch.arange(length, device=segment_ids.device)
+        wanted = torch.arange(1, segments + 1, device=segment_ids.device).view(1, segments, 1)
+        in_segment = segment_ids.unsqueeze(1) == wanted  # [B, S, L]
+        first = torch.where(in_segment, positions, length).amin(dim=-1)  # [B, S]
+        present = first < length
+        index = first.clamp(max=length - 1).unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+        first_hidden = hidden.gather(1, index)  # [B, S, H]
+        # The pooler takes token 0 of each [1, H] "sequence": one pooled vector per sample.
+        pooled = base.pooler(first_hidden.reshape(batch * segments, 1, hidden.shape[-1]))
+        logits = self.model.classifier(self.model.dropout(pooled)).view(batch, segments, -1)
+        # No sample there: zeros rather than logits computed from a stand-in token.
+        logits = logits.masked_fill(~present.unsqueeze(-1), 0.0)
+
+        loss = None
+        if labels is not None:
+            labels = labels.to(logits.device).masked_fill(~present, LABEL_PAD)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=LABEL_PAD)
+        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=getattr(out, "hidden_states", None),
+                                        attentions=getattr(out, "attentions", None))

@@ -1,0 +1,279 @@
+"""PackedModel: a packed batch gives every sample the logits, loss and gradients it gets alone.
+
+The reference is the same weights in a model with eager attention, run on each sample alone (batch 1, no
+padding, default position ids), so neither the mask nor the packing code is shared with what is checked.
+"""
+import pytest
+import torch
+
+from accel.compiler.packed import FLEX, PackedModel, document_mask
+from accel.data.packing import LABEL_PAD, PackedCollator, PackedDataset, block_diagonal_mask
+
+transformers = pytest.importorskip("transformers")
+
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))
+DEVICES = ["cpu", CUDA]
+BACKENDS = ["sdpa", "eager", FLEX]
+HEADS = {"sequence": transformers.BertForSequenceClassification, "token": transformers.BertForMaskedLM}
+LENGTHS = [7, 3, 11, 5, 9, 4, 6, 2]
+ROW = 16
+VOCAB = 64
+NUM_LABELS = 3
+# transformers always torch.compiles flex_attention; Inductor has no FlexAttention backward on the CPU.
+NO_CPU_FLEX_BACKWARD = ("flex_attention has no backward on the CPU in torch 2.9: transformers torch.compiles it and "
+                        "Inductor fails with 'InductorError: IndexError: tuple index out of range' "
+                        "(pytorch/pytorch#169224); the CPU forward is tested")
+
+
+def _tolerance(device):
+    # fp32 throughout; CUDA kernels (SDPA, Triton FlexAttention) sum in other orders than the CPU.
+    return dict(rtol=1e-4, atol=1e-5) if device == "cpu" else dict(rtol=1e-3, atol=1e-4)
+
+
+def _config(attn_implementation, **overrides):
+    settings = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                    intermediate_size=64, max_position_embeddings=32, type_vocab_size=2, num_labels=NUM_LABELS,
+                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                    attn_implementation=attn_implementation)
+    settings.update(overrides)
+    return transformers.BertConfig(**settings)
+
+
+def _models(head, backend, device, train):
+    """(PackedModel with `backend` attention, the same weights with eager attention as the reference)."""
+    cls = HEADS[head]
+    torch.manual_seed(0)
+    model = cls(_config(backend)).to(device)
+    assert model.config._attn_implementation == backend
+    reference = cls(_config("eager")).to(device)
+    reference.load_state_dict(model.state_dict())
+    model.train(train)
+    reference.train(train)
+    return PackedModel(model), reference
+
+
+def _samples(head, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for n in LENGTHS:
+        ids = torch.randint(1, VOCAB, (n,), generator=g)
+        sample = {"input_ids": ids.tolist(), "token_type_ids": torch.randint(0, 2, (n,), generator=g).tolist()}
+        if head == "sequence":
+            sample["labels"] = int(torch.randint(0, NUM_LABELS, (), generator=g))
+        else:
+            labels = torch.randint(0, VOCAB, (n,), generator=g)
+            labels[torch.rand(n, generator=g) < 0.4] = LABEL_PAD
+            labels[0] = ids[0]  # every sample has a labelled token, so its own loss is defined
+            sample["labels"] = labels.tolist()
+        samples.append(sample)
+    return samples
+
+
+def _packed(samples, device):
+    ds = PackedDataset(samples, ROW)
+    assert len(ds) < len(samples) and max(len(row) for row in ds.rows) >= 3  # rows really are shared
+    batch = PackedCollator(mask="none", keep_segment_info=True)([ds[r] for r in range(len(ds))])
+    return ds, {key: value.to(device) for key, value in batch.items()}
+
+
+def _placements(ds):
+    """(row, segment, first token, sample index) for every packed sample."""
+    for r, row in enumerate(ds.rows):
+        offset = 0
+        for s, piece in enumerate(row):
+            yield r, s, offset, ds.piece_source[piece]
+            offset += ds.piece_lengths[piece]
+
+
+def _alone(reference, sample, device):
+    def tensor(key):
+        return torch.tensor([sample[key]], device=device)
+    return reference(input_ids=tensor("input_ids"), token_type_ids=tensor("token_type_ids"), labels=tensor("labels"))
+
+
+def _loss_weights(head, samples):
+    """Each sample's share of the batch loss: the model's mean is over samples (sequence) or over labelled
+    tokens (token heads), so `model(**unpacked).loss` == sum(weight * loss alone)."""
+    if head == "sequence":
+        return [1.0 / len(samples)] * len(samples)
+    counts = [sum(label != LABEL_PAD for label in s["labels"]) for s in samples]
+    return [c / sum(counts) for c in counts]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("head", list(HEADS))
+def test_packed_outputs_match_each_sample_alone(head, train, backend, device):
+    packed, reference = _models(head, backend, device, train)
+    samples = _samples(head)
+    ds, batch = _packed(samples, device)
+    weights = _loss_weights(head, samples)
+    tol = _tolerance(device)
+    # Under no_grad, so flex_attention also runs on the CPU (its compiled backward is what the CPU lacks).
+    with torch.no_grad():
+        out = packed(**batch)
+        expected_loss = torch.zeros((), device=device)
+        for r, s, offset, i in _placements(ds):
+            alone = _alone(reference, samples[i], device)
+            if head == "sequence":
+                torch.testing.assert_close(out["logits"][r, s], alone.logits[0], **tol)
+            else:
+                n = len(samples[i]["input_ids"])
+                torch.testing.assert_close(out["logits"][r, offset:offset + n], alone.logits[0], **tol)
+            expected_loss += weights[i] * alone.loss
+    torch.testing.assert_close(out["loss"], expected_loss, **tol)
+    if head == "sequence":
+        assert out["logits"].shape == (len(ds), ds.max_segments, NUM_LABELS)
+        missing = batch["seq_lens"] == 0
+        assert missing.any() and (out["logits"][missing] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head", list(HEADS))
+def test_packed_gradients_match_each_sample_alone(head, backend, device):
+    if backend == FLEX and device == "cpu":
+        pytest.skip(NO_CPU_FLEX_BACKWARD)
+    packed, reference = _models(head, backend, device, train=True)
+    samples = _samples(head, seed=1)
+    ds, batch = _packed(samples, device)
+    packed(**batch)["loss"].backward()
+    weights = _loss_weights(head, samples)
+    sum(w * _alone(reference, sample, device).loss for w, sample in zip(weights, samples)).backward()
+
+    reference_params = dict(reference.named_parameters())
+    checked = 0
+    for name, param in packed.model.named_parameters():
+        expected = reference_params[name].grad
+        if expected is None:
+            assert param.grad is None or not param.grad.any(), name
+            continue
+        torch.testing.assert_close(param.grad, expected, rtol=1e-4 if device == "cpu" else 1e-3,
+                                   atol=1e-6 if device == "cpu" else 1e-5, msg=lambda m: f"{name}: {m}")
+        checked += bool(expected.any())
+    assert checked > 10  # embeddings, every layer, the head
+
+
+def test_flex_training_on_cpu_raises_a_clear_error():
+    packed, _ = _models("token", FLEX, "cpu", train=True)
+    _, batch = _packed(_samples("token"), "cpu")
+    with pytest.raises(RuntimeError, match="flex_attention cannot train on the CPU"):
+        packed(**batch)
+
+
+def test_sequence_classification_segment_count_without_labels():
+    packed, _ = _models("sequence", "sdpa", "cpu", train=False)
+    _, batch = _packed(_samples("sequence"), "cpu")
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        with_labels = packed(**batch, labels=labels)["logits"]
+        from_seq_lens = packed(**batch)  # S from seq_lens' shape
+        seq_lens = batch.pop("seq_lens")
+        from_segment_ids = packed(**batch)["logits"]  # S = segment_ids.max()
+    assert from_seq_lens.loss is None  # a ModelOutput leaves out None fields
+    torch.testing.assert_close(from_seq_lens["logits"], with_labels)
+    torch.testing.assert_close(from_segment_ids, with_labels[:, :int((seq_lens > 0).sum(1).max())])
+
+
+def test_without_the_document_mask_samples_leak():
+    # Guards the comparison above: the same packed batch without the mask does not match the samples alone.
+    packed, reference = _models("token", "sdpa", "cpu", train=False)
+    samples = _samples("token")
+    ds, batch = _packed(samples, "cpu")
+    with torch.no_grad():
+        leaky = packed.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                             token_type_ids=batch["token_type_ids"]).logits
+        r, s, offset, i = next(p for p in _placements(ds) if p[1] == 1)  # a sample after another one
+        alone = _alone(reference, samples[i], "cpu").logits[0]
+    assert not torch.allclose(leaky[r, offset:offset + len(samples[i]["input_ids"])], alone, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_document_mask_reaches_attention_unchanged(backend):
+    segment_ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0], [1, 1, 2, 3, 3, 3, 3]])
+    mask = document_mask(segment_ids, backend)
+    assert mask.shape == (2, 1, 7, 7)
+    if backend == FLEX:
+        from torch.nn.attention.flex_attention import create_mask
+        dense = create_mask(mask.mask_mod, 2, 1, 7, 7, device="cpu")
+    elif backend == "sdpa":
+        assert mask.dtype == torch.bool
+        dense = mask
+    else:
+        assert mask.dtype == torch.float32
+        assert set(mask.unique().tolist()) == {0.0, torch.finfo(torch.float32).min}
+        dense = mask == 0
+    assert torch.equal(dense, block_diagonal_mask(segment_ids, "bool").unsqueeze(1))
+    # transformers' BERT turns attention_mask into the layers' mask with create_bidirectional_mask.
+    from transformers.masking_utils import create_bidirectional_mask
+    assert create_bidirectional_mask(_config(backend), torch.zeros(2, 7, 32), mask) is mask
+
+
+def test_state_dict_has_the_wrapped_models_keys():
+    packed, _ = _models("sequence", "sdpa", "cpu", train=False)
+    plain = packed.model.state_dict()
+    ours = packed.state_dict()
+    assert list(ours) == list(plain)
+    assert all(ours[key] is plain[key] or torch.equal(ours[key], plain[key]) for key in plain)
+
+    torch.manual_seed(1)
+    other = PackedModel(transformers.BertForSequenceClassification(_config("sdpa")))
+    assert other.load_state_dict(plain) is not None  # strict: no missing or unexpected keys
+    assert all(torch.equal(a, b) for a, b in zip(other.model.state_dict().values(), plain.values()))
+    fresh = transformers.BertForSequenceClassification(_config("sdpa"))
+    fresh.load_state_dict(other.state_dict())
+
+    # Nested in another module, the wrapper adds no "model." level either way.
+    outer = torch.nn.ModuleDict({"net": other})
+    saved = outer.state_dict()
+    assert list(saved) == ["net." + key for key in plain]
+    outer.load_state_dict(saved)
+
+
+def test_document_mask_bad_arguments():
+    with pytest.raises(ValueError, match="segment_ids"):
+        document_mask(torch.ones(7, dtype=torch.long), "sdpa")
+    with pytest.raises(ValueError, match="segment_ids"):
+        document_mask(torch.ones(2, 7), "sdpa")
+    with pytest.raises(ValueError, match="backend"):
+        document_mask(torch.ones(2, 7, dtype=torch.long), "flash_attention_2")
+    with pytest.raises(ValueError, match="dtype"):
+        document_mask(torch.ones(2, 7, dtype=torch.long), "eager", dtype=torch.long)
+
+
+def test_unsupported_models_are_refused_by_name():
+    with pytest.raises(ValueError, match="unsupported head"):
+        PackedModel(transformers.BertModel(_config("sdpa")))
+    with pytest.raises(ValueError, match="decoder"):
+        PackedModel(transformers.BertForMaskedLM(_config("sdpa", is_decoder=True)))
+    with pytest.raises(ValueError, match="single-label"):
+        PackedModel(transformers.BertForSequenceClassification(_config("sdpa", num_labels=1)))
+    with pytest.raises(ValueError, match="single-label"):
+        PackedModel(transformers.BertForSequenceClassification(
+            _config("sdpa", problem_type="multi_label_classification")))
+    no_pooler = transformers.BertForSequenceClassification(_config("sdpa"))
+    no_pooler.bert.pooler = None
+    with pytest.raises(ValueError, match="pooler"):
+        PackedModel(no_pooler)
+    mean_pooler = transformers.BertForSequenceClassification(_config("sdpa"))
+    mean_pooler.bert.pooler.forward = lambda hidden: mean_pooler.bert.pooler.dense(hidden.mean(1))
+    with pytest.raises(ValueError, match="does not pool the first token"):
+        PackedModel(mean_pooler)
+    with pytest.raises(ValueError, match="model must be"):
+        PackedModel(torch.nn.Linear(2, 2))
+
+
+def test_bad_forward_arguments_are_named():
+    packed, _ = _models("token", "sdpa", "cpu", train=False)
+    _, batch = _packed(_samples("token"), "cpu")
+    with pytest.raises(ValueError, match="attention_mask"):
+        packed(**batch, attention_mask=block_diagonal_mask(batch["segment_ids"], "additive"))
+    with pytest.raises(ValueError, match="position_ids"):
+        packed(**{**batch, "position_ids": batch["position_ids"][:, :-1]})
+    with pytest.raises(ValueError, match="labels"):
+        packed(**{**batch, "labels": batch["labels"][:, :3]})
+    seq_packed, _ = _models("sequence", "sdpa", "cpu", train=False)
+    _, seq_batch = _packed(_samples("sequence"), "cpu")
+    with pytest.raises(ValueError, match="labels"):
+        seq_packed(**{**seq_batch, "labels": seq_batch["labels"][:, :1]})
