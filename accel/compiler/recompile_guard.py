@@ -31,14 +31,15 @@ import inspect
 import json
 import os
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
 import torch
 
+from accel.utils.atomic_file import atomic_write
 from accel.utils.batch import _is_namedtuple, iter_tensors
+from accel.utils.loader import LoaderWrapper
 from accel.utils.xla import is_xla_tensor
 
 BACKENDS = ("auto", "dynamo", "xla")
@@ -435,20 +436,8 @@ class RecompileGuard:
         """
         if not isinstance(path, (str, os.PathLike)):
             raise ValueError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".recompile_guard.", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_dict(), f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            # A reader (or a crash) sees either the old file or the complete new one, never half of one.
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        # A reader (or a crash) sees either the old file or the complete new one, never half of one.
+        atomic_write(path, lambda f: json.dump(self.to_dict(), f, indent=1), binary=False)
 
     def __enter__(self) -> "RecompileGuard":
         return self
@@ -581,7 +570,7 @@ def guard_module(
 __all__ = ["RecompileEvent", "RecompileGuard", "RecompileWarning", "guard_module"]
 
 
-class GuardedLoader:
+class GuardedLoader(LoaderWrapper):
     """Iterate `loader` with one guard step per batch, for loops that only iterate (accelerate()'s loader).
 
     Batch k's shapes are recorded when it is handed out, and its step is closed when batch k+1 is asked
@@ -592,7 +581,7 @@ class GuardedLoader:
     def __init__(self, loader, guard: RecompileGuard):
         if not isinstance(guard, RecompileGuard):
             raise ValueError(f"guard: expected a RecompileGuard, got {type(guard).__name__}")
-        self.loader = loader
+        super().__init__(loader)
         self.recompile_guard = guard
 
     def __iter__(self):
@@ -605,11 +594,3 @@ class GuardedLoader:
             yield batch
         if open_step:
             self.recompile_guard.step()
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.loader, name)

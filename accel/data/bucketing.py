@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from accel.data.padding_stats import PaddingStats, slots_padded_to_longest
+from accel.utils.loader import LoaderWrapper
 
 LABEL_PAD = -100
 _OVERFLOWS = ("error", "truncate")
@@ -278,25 +279,17 @@ def pad_to_bucket(batch: Mapping, buckets: Sequence[int], pad_values: Mapping[st
     return out
 
 
-class BucketPaddedLoader:
+class BucketPaddedLoader(LoaderWrapper):
     """Iterate `loader` with every batch padded to a bucket length (see pad_to_bucket).
 
     Re-iterable like the loader it wraps; len(), dataset, sampler, batch_size, set_epoch ... read through.
     """
 
     def __init__(self, loader, buckets: Sequence[int], pad_values: Mapping[str, float]):
-        self.loader = loader
+        super().__init__(loader)
         self.buckets = _check_buckets(buckets)
         self.pad_values = dict(pad_values)
 
     def __iter__(self):
         for batch in self.loader:
             yield pad_to_bucket(batch, self.buckets, self.pad_values)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.loader, name)

@@ -11,6 +11,7 @@ import weakref
 
 from accel.data._pipeline import END, TransferPipeline, _Failure
 from accel.utils.batch import resolve_device
+from accel.utils.loader import LoaderWrapper
 from accel.utils.xla import is_xla_device, mark_step
 
 _OPTIONS = ("loader_prefetch_size", "device_prefetch_size")
@@ -69,7 +70,7 @@ class _DeviceLoaderIterator:
             pass
 
 
-class MpDeviceLoader:
+class MpDeviceLoader(LoaderWrapper):
     """Iterate `loader` with every batch already on `device`.
 
     Args:
@@ -85,35 +86,22 @@ class MpDeviceLoader:
     """
 
     def __init__(self, loader, device, **kwargs):
-        if not hasattr(loader, "__iter__"):
-            raise ValueError(f"loader must be an iterable of batches (e.g. a DataLoader), got {type(loader).__name__}")
+        super().__init__(loader)
         unknown = sorted(set(kwargs) - set(_OPTIONS))
         if unknown:
             raise ValueError(f"MpDeviceLoader got unsupported option(s) {unknown}; supported: {list(_OPTIONS)}")
-        self._loader = loader
         self._device = resolve_device(device)
         self._loader_prefetch_size = _positive_int("loader_prefetch_size", kwargs.get("loader_prefetch_size", 8))
         self._device_prefetch_size = _positive_int("device_prefetch_size", kwargs.get("device_prefetch_size", 4))
         self._current = None
 
     @property
-    def loader(self):
-        return self._loader
-
-    @property
-    def dataset(self):
-        return self._loader.dataset
-
-    @property
     def device(self):
         return self._device
 
-    def __len__(self):
-        return len(self._loader)
-
     def __iter__(self):
         self.close()
-        iterator = _DeviceLoaderIterator(self._loader, self._device, self._loader_prefetch_size,
+        iterator = _DeviceLoaderIterator(self.loader, self._device, self._loader_prefetch_size,
                                          self._device_prefetch_size)
         # A weak reference, so a loop that breaks early still frees its iterator (and threads).
         self._current = weakref.ref(iterator)
@@ -125,9 +113,3 @@ class MpDeviceLoader:
         if current is not None:
             current.close()
         self._current = None
-
-    def __getattr__(self, name):
-        # Anything else (batch_size, sampler, ...) reads through to the wrapped loader.
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._loader, name)

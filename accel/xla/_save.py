@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import collections
 import os
-import tempfile
 
 import torch
 
+from accel.utils.atomic_file import atomic_write
 from accel.utils.xla import is_xla_tensor, mark_step
 from accel.xla._topology import is_master_ordinal, rendezvous, world_size
 
@@ -37,18 +37,7 @@ def _has_xla_tensor(obj) -> bool:
 
 def atomic_torch_save(obj, path: str) -> None:
     """torch.save to a temporary file next to ``path``, then rename: readers never see half a file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def save(obj, path, master_only: bool = True, global_master: bool = False) -> None:
