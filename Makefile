@@ -30,7 +30,7 @@ test: install
 	$(PY) -m pytest -q tests
 
 bench: install
-	$(PY) benchmarks/bert_demo.py
+	$(PY) benchmarks/bert_base.py
 
 bench-kernels: install
 	$(PY) benchmarks/kernels.py

@@ -9,7 +9,9 @@
         optimizer.zero_grad()
 
 What it does, in order (each step says why it sits where it does):
-1. backend: 'auto' is cuda when a GPU is present, else xla when torch_xla is installed, else cpu.
+1. backend: 'auto' is cuda when a GPU is present, else xla when torch_xla is installed and its device is
+   an accelerator (TPU: PJRT_DEVICE names it, or libtpu is installed), else cpu. XLA's CPU client is
+   slower than eager on the same CPU (measured), so 'auto' leaves it to an explicit backend='xla'.
 2. precision: compute.bf16 / compute.fp16 become an autocast around the model's forward. On a CPU
    (and the XLA CPU client) without native bf16 it stays fp32 and says so once: emulated bf16 is many
    times slower there (accel.utils.cpu). fp16 needs a GradScaler: use accel.amp.GradScaler (sync-free).
@@ -48,12 +50,26 @@ from accel.utils.xla import require_xla, xla_available
 __all__ = ["accelerate", "resolve_backend"]
 
 
+def _xla_accelerator() -> bool:
+    """Whether torch_xla would run on an accelerator (TPU, ...) rather than its CPU client: PJRT_DEVICE names
+    one, or it is unset and libtpu is installed (torch_xla then picks the TPU by itself)."""
+    import importlib.util
+    import os
+
+    pjrt = os.environ.get("PJRT_DEVICE", "").upper()
+    if pjrt:
+        return pjrt != "CPU"
+    return importlib.util.find_spec("libtpu") is not None
+
+
 def resolve_backend(backend: str) -> str:
     """'auto' -> 'cuda' | 'xla' | 'cpu' (see the module docstring); others are checked against the machine."""
     if backend == "auto":
         if torch.cuda.is_available():
             return "cuda"
-        return "xla" if xla_available() else "cpu"
+        # XLA's CPU client is slower than eager on the CPU (BERT-base 8x128: 11 s vs 5.5-7 s a step,
+        # benchmarks/bert_base.py): 'auto' must not pick what slows training down. backend='xla' still does.
+        return "xla" if xla_available() and _xla_accelerator() else "cpu"
     if backend == "cuda" and not torch.cuda.is_available():
         raise ValueError("backend: 'cuda' needs a CUDA GPU, and torch.cuda.is_available() is False here")
     if backend == "xla":

@@ -183,8 +183,8 @@ class DataLoaderConfig(_Section):
 class Config(_Section):
     """The root: backend plus one section per concern.
 
-    backend: 'auto' (cuda when a GPU is present, else xla when torch_xla is installed, else cpu),
-        'xla', 'cuda' or 'cpu'.
+    backend: 'auto' (cuda when a GPU is present, else xla when torch_xla is installed and runs on an
+        accelerator such as a TPU, else cpu), 'xla', 'cuda' or 'cpu'.
     """
 
     backend: str = "auto"

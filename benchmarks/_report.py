@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from accel.utils.atomic_file import atomic_write
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -46,20 +48,19 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
-def write_json(name: str, payload: dict) -> Path:
-    """Atomically write benchmarks/results/<name>.json."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+def write_json(name: str, payload: dict, directory: Path = RESULTS) -> Path:
+    """Atomically write <directory>/<name>.json (default benchmarks/results/)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    atomic_write(path, lambda f: f.write(json.dumps(payload, indent=2, default=str) + "\n"), binary=False)
     return path
 
 
-def save_figure(fig, name: str) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.png"
-    tmp = RESULTS / f".{name}.tmp.png"
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    os.replace(tmp, path)
+def save_figure(fig, name: str, directory: Path = RESULTS) -> Path:
+    """Atomically write <directory>/<name>.png (default benchmarks/results/)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.png"
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"))
     return path

@@ -100,8 +100,12 @@ def test_backend_auto_picks_cuda_then_xla_then_cpu(monkeypatch):
     assert accelerate_module.resolve_backend("auto") == "cuda"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(accelerate_module, "xla_available", lambda: True)
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
     assert accelerate_module.resolve_backend("auto") == "xla"
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")  # XLA's CPU client is slower than eager: not picked by itself
+    assert accelerate_module.resolve_backend("auto") == "cpu"
     monkeypatch.setattr(accelerate_module, "xla_available", lambda: False)
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
     assert accelerate_module.resolve_backend("auto") == "cpu"
     with pytest.raises(ValueError, match="backend: 'cuda' needs a CUDA GPU"):
         accelerate_module.resolve_backend("cuda")

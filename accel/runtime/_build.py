@@ -16,6 +16,7 @@ import hashlib
 import importlib
 import os
 import platform
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -131,9 +132,29 @@ def cxx_flags(cuda: bool) -> list[str]:
     return ["-O3", "-march=native"] + OPENMP_FLAGS + (["-DWITH_CUDA"] if cuda else [])
 
 
+def _ensure_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH. A venv's python run without activating the venv has a PATH
+    without the venv's bin (where pip put ninja): then add the folder of a ninja next to this Python or
+    inside the ninja package."""
+    if shutil.which("ninja"):
+        return
+    candidates = [os.path.dirname(sys.executable)]
+    try:
+        import ninja
+
+        candidates.append(ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    for folder in candidates:
+        if shutil.which("ninja", path=folder):
+            os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
+            return
+
+
 def _jit_build(op: str) -> ModuleType:
     from torch.utils import cpp_extension
 
+    _ensure_ninja_on_path()
     srcs = sources(op)
     cuda = any(s.endswith(".cu") for s in srcs)
     # cpp_extension rebuilds when a source changes but says nothing; say it ourselves, since a

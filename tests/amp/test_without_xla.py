@@ -19,7 +19,10 @@ CODE = textwrap.dedent(
     scaler = GradScaler()
     before = model.weight.detach().clone()
     ctx = autocast()
-    assert (ctx.device, ctx.fast_dtype) == ("cpu", torch.bfloat16), (ctx.device, ctx.fast_dtype)
+    # without torch_xla the default is cuda (fp16) where a GPU is present, else cpu (bf16): never xla
+    expected = ("cuda", torch.float16) if torch.cuda.is_available() else ("cpu", torch.bfloat16)
+    assert (ctx.device, ctx.fast_dtype) == expected, (ctx.device, ctx.fast_dtype)
+    ctx = autocast("cpu")  # the CPU flow below, on any machine
     with ctx:
         loss = model(torch.randn(3, 4)).float().pow(2).mean()
     scaler.scale(loss).backward()

@@ -1,5 +1,7 @@
 """The JIT build: a visible message, a cache that rebuilds on change, and the compiler's output on failure."""
+import os
 import subprocess
+
 import sys
 import textwrap
 from pathlib import Path
@@ -122,3 +124,23 @@ def test_builds_are_kept_apart_per_cpu_instruction_set(monkeypatch):
     _build.machine_tag.cache_clear()
     assert tags[0] != tags[1]
     assert all(t.startswith(torch.__version__.replace("+", "_")) for t in tags)
+
+
+def test_ninja_next_to_python_is_found_without_it_on_path(monkeypatch, tmp_path):
+    """A venv's python run without activating the venv: PATH lacks the venv's bin, where ninja is."""
+    from accel.runtime import _build
+
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    ninja = bin_dir / "ninja"
+    ninja.write_text("#!/bin/sh\n")
+    ninja.chmod(0o755)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    monkeypatch.setitem(sys.modules, "ninja", None)  # no ninja package either: the folder must do
+    monkeypatch.setenv("PATH", str(empty))
+    _build._ensure_ninja_on_path()
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(bin_dir)
+    _build._ensure_ninja_on_path()  # found now: PATH is left alone
+    assert os.environ["PATH"].count(str(bin_dir)) == 1

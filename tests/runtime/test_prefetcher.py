@@ -43,7 +43,9 @@ def _train_loop(prefetcher, call_prefetch):
 def test_every_batch_once_in_order(call_prefetch):
     loader = DataLoader(Numbers(11), batch_size=3)
     prefetcher = Prefetcher(loader)
-    assert prefetcher.device == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # an index-less "cuda" resolves to the current device, as torch itself places tensors
+    expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    assert prefetcher.device == expected
     assert len(prefetcher) == 4
     seen = _train_loop(prefetcher, call_prefetch)
     assert len(seen) == 4

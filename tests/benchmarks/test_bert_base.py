@@ -1,0 +1,101 @@
+"""benchmarks/bert_base.py: the --quick run writes a row per requested mode and passes its loss check;
+its data, counting and loss-check helpers do what the benchmark's docstring says."""
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks import bert_base
+
+
+def _run(tmp_path, *flags):
+    """main() in --quick mode into tmp_path (never the committed results); returns (exit status, JSON)."""
+    status = bert_base.main(["--quick", "--results-dir", str(tmp_path), "--out", "quick", *flags])
+    return status, json.loads((tmp_path / "quick.json").read_text())
+
+
+def _assert_rows(result, workloads, modes):
+    rows = {(r["workload"], r["mode"]): r for r in result["rows"]}
+    assert set(rows) == {(w, m) for w in workloads for m in modes}
+    for row in rows.values():
+        assert row["status"] in ("ok", "skipped"), row
+        if row["status"] == "skipped":
+            assert row["reason"]
+        else:
+            assert row["tokens_per_s"] > 0 and row["samples_per_s"] > 0
+            assert row["step_ms_p90"] >= row["step_ms_median"] > 0
+            assert len(row["losses"]) == row["warmup"] + 2 and all(math.isfinite(x) for x in row["losses"])
+    assert result["loss_check"]["verdict"] == "PASS", result["loss_check"]
+    return rows
+
+
+def test_quick_eager_modes_on_both_workloads(tmp_path):
+    status, result = _run(tmp_path, "--workload", "both", "--modes", "eager,eager-amp")
+    assert status == 0
+    rows = _assert_rows(result, ["guide 4x<=64", "fixed 4x32"], ["eager", "eager-amp"])
+    assert rows[("fixed 4x32", "eager")]["status"] == "ok"
+    assert rows[("fixed 4x32", "eager")]["speedup_vs_eager"] == pytest.approx(1.0)
+    if not bert_base.native_bf16(bert_base.default_device()):
+        assert "bf16" in rows[("fixed 4x32", "eager-amp")]["reason"]
+    assert (tmp_path / "quick.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["peer", "accel-kernels", "accel-xla", "accel"])
+def test_quick_other_modes(tmp_path, mode):
+    # eager is the loss check's reference; torch.compile and XLA compile on the first steps (slow on a CPU)
+    status, result = _run(tmp_path, "--workload", "fixed", "--modes", f"eager,{mode}")
+    assert status == 0
+    _assert_rows(result, ["fixed 4x32"], ["eager", mode])
+
+
+def test_pad_to_longest_pads_like_data_collator_with_padding():
+    samples = bert_base.make_samples([3, 5], vocab=50, seed=0)
+    batch = bert_base.pad_to_longest(samples)
+    assert batch["input_ids"].shape == (2, 5)
+    assert batch["input_ids"][0, 3:].tolist() == [0, 0]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert batch["token_type_ids"].abs().sum() == 0
+    assert batch["labels"].tolist() == [int(s["input_ids"][0]) % 2 for s in samples]
+
+
+def test_guide_lengths_are_short_with_a_tail_to_the_maximum():
+    lengths = bert_base.sst2_like_lengths(4096, 512, seed=0)
+    assert min(lengths) >= 4 and max(lengths) == 512
+    assert sorted(lengths)[len(lengths) // 2] < 40  # most sentences are short
+    assert sum(n > 256 for n in lengths) > 40       # and a batch of 128 usually holds a long one
+
+
+def test_batch_counts_padded_and_packed():
+    padded = {"attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])}
+    assert bert_base.batch_counts(padded, packed=False).tolist() == [2, 5, 9 + 4]
+    packed = {"segment_ids": torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1]])}
+    assert bert_base.batch_counts(packed, packed=True).tolist() == [3, 11, 4 + 9 + 36]
+
+
+def _row(mode, first, final, same_data=True):
+    return {"mode": mode, "status": "ok", "first_loss": first, "final_loss": final, "losses": [first, final],
+            "same_data": same_data}
+
+
+def test_loss_check_flags_diverging_and_failed_modes():
+    eager = _row("eager", 0.70, 0.65)
+    assert bert_base.check_losses([eager, _row("peer", 0.71, 0.66)], 2e-2) == []
+    assert bert_base.check_losses([eager, _row("accel", 0.90, 0.70, same_data=False)], 2e-2) == []
+    assert len(bert_base.check_losses([eager, _row("peer", 0.75, 0.66)], 2e-2)) == 1
+    assert len(bert_base.check_losses([eager, _row("peer", 0.70, float("nan"))], 2e-2)) == 1
+    assert len(bert_base.check_losses([eager, _row("peer", 0.70, 1.2)], 2e-2)) == 1
+    failed = {"mode": "peer", "status": "failed", "reason": "RuntimeError: boom"}
+    assert bert_base.check_losses([eager, failed], 2e-2) == ["peer: RuntimeError: boom"]
+
+
+def test_size_and_mode_flags():
+    assert bert_base.parse_sizes("32x128,64X512") == ((32, 128), (64, 512))
+    with pytest.raises(Exception):
+        bert_base.parse_sizes("32by128")
+    with pytest.raises(Exception):
+        bert_base.parse_modes("eager,fast")
+    args = bert_base.parse_args(["--device", "cpu", "--batch", "16", "--seq", "512"])
+    assert args.fixed_sizes == ((16, 512),) and args.guide_batch == 16 and args.workload == "fixed"
+    assert args.out == "bert_base_cpu"
