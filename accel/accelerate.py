@@ -12,7 +12,7 @@ What it does, in order (each step says why it sits where it does):
 1. backend: 'auto' is cuda when a GPU is present, else xla when torch_xla is installed and its device is
    an accelerator (TPU: PJRT_DEVICE names it, or libtpu is installed), else cpu. XLA's CPU client is
    slower than eager on the same CPU (measured), so 'auto' leaves it to an explicit backend='xla'.
-2. precision: compute.bf16 / compute.fp16 become an autocast around the model's forward. On a CPU
+2. precision: compute.bf16 / compute.fp16 become an autocast around the (outermost) model's forward. On a CPU
    (and the XLA CPU client) without native bf16 it stays fp32 and says so once: emulated bf16 is many
    times slower there (accel.utils.cpu). fp16 needs a GradScaler: use accel.amp.GradScaler (sync-free).
 3. the model moves to the device.
@@ -21,7 +21,8 @@ What it does, in order (each step says why it sits where it does):
    torch.optim.Adam/AdamW, so it reaches the optimizer the user builds next.
 5. activation checkpointing (memory.gc): the blocks named by memory.gc_cls, or the repeated blocks
    auto_checkpoint finds; memory.gc_cnt limits it to the first N.
-6. packing (dataloader.pack): the model is wrapped to take packed rows (accel.compiler.packed).
+6. packing (dataloader.pack): the model is wrapped to take packed rows (accel.compiler.packed); the
+   autocast of step 2 goes around that wrapper.
 7. compile (compute.compile): cuda and cpu compile the module in place with torch.compile, static
    shapes (one graph per bucket shape), CUDA graphs on cuda when compute.cuda_graphs; optimizers
    built over the model's parameters get a compiled step too (accel.compiler.optimizer). On xla the
@@ -212,12 +213,12 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         from accel.checkpoint import auto_checkpoint
 
         auto_checkpoint(model, block_classes=config.memory.gc_cls, count=config.memory.gc_cnt)
-    if dtype is not None:
-        object.__setattr__(model, "forward", _AutocastForward(model, device.type, dtype))
     if config.dataloader.pack:
         from accel.compiler.packed import PackedModel
 
         model = PackedModel(model)
+    if dtype is not None:  # outermost: PackedModel calls parts of the model, not its forward
+        object.__setattr__(model, "forward", _AutocastForward(model, device.type, dtype))
     if compiled:
         from accel.compiler.optimizer import compile_optimizer_steps
 

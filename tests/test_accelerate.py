@@ -158,6 +158,15 @@ def test_bf16_with_native_bf16_runs_the_forward_under_autocast(monkeypatch):
 
 # --------------------------------------------------------------------------- kernels and gc
 
+def test_packed_model_runs_under_autocast_too(monkeypatch):
+    """PackedModel calls the model's parts, not its forward: the autocast must wrap the packed model."""
+    monkeypatch.setattr(accelerate_module, "native_bf16", lambda: True)
+    config = cpu_config(compile=False, kernels=False, bf16=True)
+    config.dataloader.pack, config.dataloader.max_length = True, 32
+    model, wrapped = accel.accelerate(tiny_bert(), loader(batch_size=4), config)
+    assert model(**next(iter(wrapped))).logits.dtype is torch.bfloat16
+
+
 def test_kernels_where_they_help_eager_cpu_fp32():
     from accel.runtime.nn.layer_norm import FusedLayerNorm
     from accel.runtime.optim import FusedAdamW
