@@ -24,9 +24,10 @@ What it does, in order (each step says why it sits where it does):
 6. packing (dataloader.pack): the model is wrapped to take packed rows (accel.compiler.packed); the
    autocast of step 2 goes around that wrapper.
 7. compile (compute.compile): cuda and cpu compile the module in place with torch.compile, static
-   shapes (one graph per bucket shape), CUDA graphs on cuda when compute.cuda_graphs; optimizers
-   built over the model's parameters get a compiled step too (accel.compiler.optimizer). On xla the
+   shapes (one graph per bucket shape), CUDA graphs on cuda when compute.cuda_graphs. On xla the
    lazy-tensor device itself is the compiler.
+   Optimizers the user builds over the model's parameters (cuda, cpu): torch Adam/AdamW at their defaults
+   switch to torch's fused kernel, and steps are compiled where that pays (accel.compiler.optimizer).
 8. the loader: static shapes by bucketing (dataloader.buckets / max_length / num_buckets: every batch
    padded to a bucket length) or packing; then the backend's device loader (MpDeviceLoader on xla,
    the Prefetcher with pinned host memory on cuda, the Prefetcher's background reads on cpu); with
@@ -220,11 +221,12 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
     if dtype is not None:  # outermost: PackedModel calls parts of the model, not its forward
         object.__setattr__(model, "forward", _AutocastForward(model, device.type, dtype))
     if compiled:
-        from accel.compiler.optimizer import compile_optimizer_steps
-
         buckets = config.dataloader.bucket_lengths() or [0]
         _compile(model, backend, config.compute.cuda_graphs, len(buckets))
-        compile_optimizer_steps(model)
+    if backend != "xla":
+        from accel.compiler.optimizer import adopt_optimizers
+
+        adopt_optimizers(model, compile_steps=compiled)
 
     if dataloader is None:
         return model

@@ -80,7 +80,8 @@ step env 30 bash -c "nvidia-smi; $PY -c 'import sys, torch, transformers; print(
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name()); \
 print(\"transformers\", transformers.__version__)'"
 build_kernels "$(budget 150 380)"
-mapfile -t TESTS < <(existing_paths tests/runtime tests/amp tests/data tests/compiler tests/test_checkpoint.py)
+mapfile -t TESTS < <(existing_paths tests/runtime tests/amp tests/data tests/compiler tests/test_checkpoint.py \
+  tests/test_accelerate.py tests/test_config.py)
 step pytest "$(budget 180 260)" "$PY" -m pytest -q -n 8 "${TESTS[@]}"
 BERT_S=$(budget 330 60)
 # --budget-s: rows that would start in the last 100 s are skipped (one row compiles for up to ~a minute),

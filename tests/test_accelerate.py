@@ -13,7 +13,7 @@ import importlib
 import accel.utils.cpu as cpu_module
 
 from accel.checkpoint import checkpoint_plan
-from accel.compiler.optimizer import has_compiled_step
+from accel.compiler.optimizer import has_compiled_step, uses_fused_kernel
 from accel.config import Config
 from accel.runtime import hooks
 from accel.utils.xla import xla_available
@@ -167,24 +167,71 @@ def test_packed_model_runs_under_autocast_too(monkeypatch):
     assert model(**next(iter(wrapped))).logits.dtype is torch.bfloat16
 
 
-def test_kernels_where_they_help_eager_cpu_fp32():
+def test_kernels_the_policy_names_are_applied(monkeypatch):
+    """compute.kernels applies what accel.runtime.policy names for the device: LayerNorm modules already
+    built switch in place (same parameters and keys), and the Adam hook reaches the optimizer built next."""
+    from accel.runtime import policy
     from accel.runtime.nn.layer_norm import FusedLayerNorm
     from accel.runtime.optim import FusedAdamW
 
+    monkeypatch.setattr(policy, "helpful_kernels", lambda *_: frozenset({policy.LAYER_NORM, policy.ADAM}))
     ref, model = tiny_bert(), tiny_bert()
     accel.accelerate(model, config=cpu_config(compile=False))
     norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
     assert norms and all(type(m) is FusedLayerNorm for m in norms)
-    assert type(torch.optim.AdamW(model.parameters())) is FusedAdamW  # the optimizer built next
+    assert type(torch.optim.AdamW(model.parameters())) is FusedAdamW
     assert model.state_dict().keys() == ref.state_dict().keys()
     batch = pad_to_longest(samples([6, 4]))
     torch.testing.assert_close(model(**batch).logits, ref(**batch).logits, rtol=1e-5, atol=1e-6)
 
 
-def test_no_kernels_when_compiled_or_switched_off():
+def test_no_kernels_where_torch_wins_or_when_switched_off(monkeypatch):
+    from accel.runtime import policy
+
+    accel.accelerate(tiny_bert(), config=cpu_config(compile=False))  # the measured policy: none win today
+    assert not hooks.fused_layer_norm_enabled() and not hooks.fused_adam_enabled()
+    monkeypatch.setattr(policy, "helpful_kernels", lambda *_: frozenset({policy.LAYER_NORM, policy.ADAM}))
     model = accel.accelerate(tiny_bert(), config=cpu_config(compile=False, kernels=False))
     assert all(type(m) is nn.LayerNorm for m in model.modules() if isinstance(m, nn.LayerNorm))
     assert not hooks.fused_adam_enabled()
+
+
+def test_torch_adam_at_its_defaults_switches_to_the_fused_kernel_and_trains_the_same():
+    ref, model = tiny_bert(), tiny_bert()
+    accel.accelerate(model, config=cpu_config(compile=False))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    kept = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=False)  # an explicit choice stays
+    batches = [pad_to_longest(samples([6, 4], seed=s)) for s in range(3)]
+    losses, ref_losses = train(model, batches, opt), train(ref, batches, ref_opt)
+    kept.step()
+    assert uses_fused_kernel(opt) and not uses_fused_kernel(ref_opt) and not uses_fused_kernel(kept)
+    assert not has_compiled_step(opt)  # eager model: steps stay eager
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_other_optimizers_get_a_compiled_step_that_trains_like_eager():
+    """SGD is not one fused kernel: with compile on, its step is compiled from the second call on."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    model = copy.deepcopy(ref)
+    accel.accelerate(model, config=cpu_config())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=g)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert has_compiled_step(opt) and not has_compiled_step(ref_opt)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("gc_cls, gc_cnt, expected", [
@@ -233,9 +280,10 @@ def test_a_batch_longer_than_every_bucket_is_an_error():
 # --------------------------------------------------------------------------- the compiled path on the CPU
 
 @pytest.mark.slow
-def test_compiled_training_matches_eager_and_compiles_the_optimizer_step():
-    """torch.compile (Inductor on the CPU) of the model and of the optimizer step, one graph per bucket:
-    the same losses and weights as the plain model trained on the unpadded batches."""
+def test_compiled_training_matches_eager():
+    """torch.compile (Inductor on the CPU) of the model, one graph per bucket, with torch's fused AdamW
+    (not compiled on the CPU: one C++ loop already): the same losses and weights as the plain model
+    trained on the unpadded batches."""
     torch._dynamo.reset()
     ref, model = tiny_bert(), tiny_bert()
     config = cpu_config()
@@ -244,7 +292,7 @@ def test_compiled_training_matches_eager_and_compiles_the_optimizer_step():
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
     losses = train(model, wrapped, opt)
     ref_losses = train(ref, loader(), ref_opt)
-    assert has_compiled_step(opt) and not has_compiled_step(ref_opt)
+    assert uses_fused_kernel(opt) and not has_compiled_step(opt)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)

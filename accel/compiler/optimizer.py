@@ -1,45 +1,60 @@
-"""Compiled optimizer steps for the optimizers a user builds over an accelerated model.
+"""The optimizers a user builds over an accelerated model: torch's fused Adam, and compiled steps.
 
 accelerate() returns the model and the user builds the optimizer afterwards (TorchAcc's flow), so
-accelerate() never sees the optimizer. An eager optimizer step is dozens of kernel launches and, at
-small batches on a GPU, costs as much host time as the whole compiled forward and backward; the
-strongest plain-PyTorch setup compiles it (`torch.compile(opt.step)`). So accelerate() registers the
-model's parameters here, and one global optimizer step pre-hook gives every optimizer whose parameters
-all belong to an accelerated model a compiled step from its second call on (the first call runs
-eagerly and creates the state the compiled step then updates in place).
+accelerate() never sees the optimizer. It registers the model's parameters here instead, and one global
+optimizer step pre-hook acts at the first step of every optimizer whose parameters all belong to an
+accelerated model (anything else passes through untouched):
 
-Anything else passes through untouched: optimizers over other parameters, and optimizers torch cannot
-compile well (sparse gradients, LBFGS-style closures that re-evaluate the model many times).
-A learning-rate scheduler that changes a float lr every step makes Dynamo recompile each time (and,
-past its cache limit, fall back to eager): pass lr as a tensor, e.g. AdamW(params, lr=torch.tensor(1e-4)),
-as torch recommends for compiled optimizers.
+1. torch.optim.Adam / AdamW left at their defaults (fused and foreach not given, not differentiable) switch
+   to torch's own fused kernel before their state exists. Measured on BERT-base parameters (109.5M fp32,
+   AMD EPYC without AVX-512, torch 2.9): default loop 391 ms a step, foreach 412 ms, fused 75 ms (accel's
+   own FusedAdamW: 311 ms). The update is the same algorithm; results differ from the loop only in
+   rounding. An explicit fused=False or foreach=... is the user's choice and is kept.
+2. The step is compiled (torch.compile(optimizer.step), from the second call on, once the state exists)
+   where compiling helps: on CUDA, where an eager step's launches cost as much host time as a small
+   compiled forward and backward, and for optimizers that are not one fused kernel. A fused step on the
+   CPU is one C++ loop already: compiling it adds a compile and nothing else.
+
+Not compiled: LBFGS-style closures that re-evaluate the model many times, sparse gradients. A scheduler that
+changes a float lr every step makes Dynamo recompile each time (and, past its cache limit, fall back to
+eager): pass lr as a tensor, e.g. AdamW(params, lr=torch.tensor(1e-4)), as torch recommends for compiled
+optimizers.
 """
 from __future__ import annotations
 
 import weakref
 
 import torch
+from torch.optim.adam import Adam as _TorchAdam
+from torch.optim.adamw import AdamW as _TorchAdamW
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 # id -> parameter; entries vanish with their tensors (a WeakSet would compare tensors with ==).
 _params: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+_compile_steps: dict[int, bool] = {}  # id(parameter) -> whether its model asked for compiled steps
 _seen: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _hook = None
-# Re-evaluate the model inside step(): nothing to gain from compiling them, and closures break graphs.
 _SKIP = ("LBFGS", "SparseAdam")
+# The defining classes (never the torch.optim attributes, which accel.runtime.hooks may replace).
+_TORCH_ADAMS = (_TorchAdam, _TorchAdamW)
 
 
-def compile_optimizer_steps(model: torch.nn.Module) -> None:
-    """Give optimizers built over `model`'s parameters a compiled step (see the module docstring)."""
+def adopt_optimizers(model: torch.nn.Module, compile_steps: bool) -> None:
+    """Apply the module docstring's rules to optimizers built over `model`'s parameters."""
     global _hook
     for p in model.parameters():
         _params[id(p)] = p
+        _compile_steps[id(p)] = compile_steps
     if _hook is None:
-        _hook = register_optimizer_step_pre_hook(_maybe_compile)
+        _hook = register_optimizer_step_pre_hook(_adopt)
 
 
 def has_compiled_step(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer.__dict__.get("step"), _CompiledStep)
+
+
+def uses_fused_kernel(optimizer: torch.optim.Optimizer) -> bool:
+    return all(group.get("fused") for group in optimizer.param_groups)
 
 
 class _CompiledStep:
@@ -53,16 +68,32 @@ class _CompiledStep:
         return self.compiled(*args, **kwargs)
 
 
-def _maybe_compile(optimizer, args, kwargs):
+def _switch_to_fused(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    if type(optimizer) not in _TORCH_ADAMS or optimizer.state:
+        return  # another optimizer, or state already built by the unfused code
+    groups = optimizer.param_groups
+    if any(g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable") for g in groups):
+        return
+    if not all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params):
+        return
+    for group in groups:
+        group["fused"] = True
+    optimizer.defaults["fused"] = True
+    optimizer._step_supports_amp_scaling = True  # what torch's constructor sets for fused=True
+
+
+def _adopt(optimizer, args, kwargs):
     if torch.compiler.is_compiling() or optimizer in _seen:
         return None  # also inside the compiled step itself, which runs this hook again while tracing
     _seen.add(optimizer)
-    if type(optimizer).__name__ in _SKIP:
-        return None
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if not params or not all(_params.get(id(p)) is p for p in params):
         return None
     if any(p.grad is not None and p.grad.is_sparse for p in params):
         return None
-    optimizer.step = _CompiledStep(optimizer.step)
+    _switch_to_fused(optimizer, params)
+    wants_compile = all(_compile_steps.get(id(p)) for p in params)
+    fused_on_cpu = uses_fused_kernel(optimizer) and all(p.device.type == "cpu" for p in params)
+    if wants_compile and not fused_on_cpu and type(optimizer).__name__ not in _SKIP:
+        optimizer.step = _CompiledStep(optimizer.step)
     return None
