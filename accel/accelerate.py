@@ -47,21 +47,9 @@ from torch import nn
 from accel.amp.autocast_mode import autocast
 from accel.config import Config
 from accel.utils.cpu import native_bf16, warn_emulated_bf16
-from accel.utils.xla import require_xla, xla_available
+from accel.utils.xla import require_xla, xla_available, xla_on_accelerator, xla_on_cpu_client
 
 __all__ = ["accelerate", "resolve_backend"]
-
-
-def _xla_accelerator() -> bool:
-    """Whether torch_xla would run on an accelerator (TPU, ...) rather than its CPU client: PJRT_DEVICE names
-    one, or it is unset and libtpu is installed (torch_xla then picks the TPU by itself)."""
-    import importlib.util
-    import os
-
-    pjrt = os.environ.get("PJRT_DEVICE", "").upper()
-    if pjrt:
-        return pjrt != "CPU"
-    return importlib.util.find_spec("libtpu") is not None
 
 
 def resolve_backend(backend: str) -> str:
@@ -71,7 +59,7 @@ def resolve_backend(backend: str) -> str:
             return "cuda"
         # XLA's CPU client is slower than eager on the CPU (BERT-base 8x128: 11 s vs 5.5-7 s a step,
         # benchmarks/bert_base.py): 'auto' must not pick what slows training down. backend='xla' still does.
-        return "xla" if xla_available() and _xla_accelerator() else "cpu"
+        return "xla" if xla_available() and xla_on_accelerator() else "cpu"
     if backend == "cuda" and not torch.cuda.is_available():
         raise ValueError("backend: 'cuda' needs a CUDA GPU, and torch.cuda.is_available() is False here")
     if backend == "xla":
@@ -89,18 +77,12 @@ def _device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _xla_on_cpu() -> bool:
-    import os
-
-    return os.environ.get("PJRT_DEVICE", "").upper() == "CPU"
-
-
 def _autocast_dtype(config: Config, backend: str) -> torch.dtype | None:
     """The autocast dtype, or None for fp32 (also where the device would only emulate the dtype)."""
     wanted = torch.bfloat16 if config.compute.bf16 else torch.float16 if config.compute.fp16 else None
     if wanted is None:
         return None
-    on_cpu = backend == "cpu" or (backend == "xla" and _xla_on_cpu())
+    on_cpu = backend == "cpu" or (backend == "xla" and xla_on_cpu_client())
     if on_cpu and not native_bf16():
         name = "compute.bf16" if wanted is torch.bfloat16 else "compute.fp16"
         warn_emulated_bf16(f"accelerate(): {name} stays fp32 on this CPU")

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from accel.utils.cpu import native_bf16, warn_emulated_bf16
-from accel.utils.xla import require_xla, xla_available
+from accel.utils.xla import require_xla, xla_available, xla_on_cpu_client
 
 _DEFAULT_DTYPE = {"xla": torch.bfloat16, "cpu": torch.bfloat16, "cuda": torch.float16}
 
@@ -63,7 +63,7 @@ def _device_type_of(device_type) -> str:
 def _runs_on_cpu(device_type: str) -> bool:
     if device_type == "cpu":
         return True
-    return device_type == "xla" and os.environ.get("PJRT_DEVICE", "").upper() == "CPU"
+    return device_type == "xla" and xla_on_cpu_client()
 
 
 class autocast(torch.amp.autocast_mode.autocast):

@@ -42,3 +42,20 @@ def mark_step() -> None:
         import torch_xla
 
         torch_xla.sync()
+
+
+def xla_on_cpu_client() -> bool:
+    """Whether torch_xla is set to run on its CPU client (PJRT_DEVICE=CPU): same CPU, same native dtypes."""
+    import os
+
+    return os.environ.get("PJRT_DEVICE", "").upper() == "CPU"
+
+
+def xla_on_accelerator() -> bool:
+    """Whether torch_xla would run on an accelerator (TPU, ...): PJRT_DEVICE names one, or it is unset and
+    libtpu is installed (torch_xla then picks the TPU by itself)."""
+    import os
+
+    if os.environ.get("PJRT_DEVICE"):
+        return not xla_on_cpu_client()
+    return importlib.util.find_spec("libtpu") is not None
