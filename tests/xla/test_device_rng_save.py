@@ -94,3 +94,25 @@ def test_save_rejects_bad_paths(tmp_path):
         xm.save({}, 3)
     with pytest.raises(ValueError, match="path"):
         xm.save({}, tmp_path)
+
+
+def test_save_writes_like_torch_save_would(tmp_path):
+    """open()'s mode (not a private 0600 temp file), through a symlink, and errors naming the path asked for."""
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        real, link = tmp_path / "real.pt", tmp_path / "ck.pt"
+        real.write_bytes(b"")
+        link.symlink_to(real)
+        xm.save({"x": torch.ones(2)}, link)
+        xm.save({"x": 1}, tmp_path / "fresh.pt")
+    finally:
+        os.umask(old)
+    assert link.is_symlink()
+    assert torch.equal(torch.load(real)["x"], torch.ones(2))
+    assert stat.S_IMODE((tmp_path / "fresh.pt").stat().st_mode) == 0o644  # mkstemp alone would give 0600
+    missing = tmp_path / "nope" / "ck.pt"
+    with pytest.raises(FileNotFoundError) as info:
+        xm.save({}, missing)
+    assert info.value.filename == str(missing)
