@@ -85,7 +85,7 @@ def _autocast_dtype(config: Config, backend: str) -> torch.dtype | None:
     on_cpu = backend == "cpu" or (backend == "xla" and xla_on_cpu_client())
     if on_cpu and not native_bf16():
         name = "compute.bf16" if wanted is torch.bfloat16 else "compute.fp16"
-        warn_emulated_bf16(f"accelerate(): {name} stays fp32 on this CPU")
+        warn_emulated_bf16(f"accelerate(): {name} stays fp32 on this CPU", stacklevel=4)  # the user's call
         return None
     return wanted
 

@@ -43,10 +43,12 @@ def native_bf16() -> bool:
     return _cpuinfo_says_bf16() if from_torch is None else from_torch
 
 
-def warn_emulated_bf16(what: str) -> None:
-    """Warn once per `what` that bf16 on this CPU is emulated (and many times slower than fp32)."""
+def warn_emulated_bf16(what: str, stacklevel: int = 3) -> None:
+    """Warn once per `what` that bf16 on this CPU is emulated (and many times slower than fp32).
+    stacklevel: as warnings.warn's, counted from the caller of this function's caller (the default points
+    at whoever called that caller)."""
     if what in _warned:
         return
     _warned.add(what)
     warnings.warn(f"{what}: this CPU has no native bf16 (no AMX or AVX512-BF16); bf16 is emulated there and "
-                  "typically tens of times slower than fp32", RuntimeWarning, stacklevel=3)
+                  "typically tens of times slower than fp32", RuntimeWarning, stacklevel=stacklevel)
