@@ -36,6 +36,12 @@ constexpr int kMaxTeam = 1024;
 __device__ __forceinline__ float rsqrt_(float v) { return rsqrtf(v); }
 __device__ __forceinline__ double rsqrt_(double v) { return 1.0 / sqrt(v); }
 
+// A product nvcc may not fuse into the next add. dx needs w*dy - mean(w*dy) to be exactly 0 where every
+// w*dy of the row is equal (normalized size 1): contracted into fma(dy, w, -mean) it subtracts the rounded
+// mean from the unrounded product and leaves the product's rounding error, times rstd (316 at eps 1e-5).
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
 template <typename acc_t>
 struct Welford {
   acc_t mean, m2, count;
@@ -123,10 +129,13 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_fwd_kernel(const T* __res
     const int64_t row = base + threadIdx.x / tpr;
     const bool valid = row < M;
     const Pack<T, VEC>* xr = reinterpret_cast<const Pack<T, VEC>*>(x + (valid ? row : 0) * N);
-    // Per thread: sums of (x - shift) and its square, shifted by one of the row's own values so
+    // Per thread: sums of (x - shift) and its square, shifted by one of the thread's own values so
     // that the one-pass variance does not cancel for rows far from zero; one division per thread
     // (a per-element Welford update costs a division per element, too slow for bf16 rows).
-    // Threads then merge (count, mean, M2) exactly (Chan et al.).
+    // Threads then merge (count, mean, M2) exactly (Chan et al.). Means travel as offsets from one
+    // shift shared by the row (its first element): carried as absolute values, a row with mean 1000
+    // would be rounded at ulp(1000) in every merge and drift by ~1e-4 over a 1024-thread team.
+    const acc_t row_shift = valid ? static_cast<acc_t>(x[row * N]) : acc_t(0);
     Welford<acc_t> st{acc_t(0), acc_t(0), acc_t(0)};
     if (valid && lane < nvec) {
       const acc_t shift = static_cast<acc_t>(xr[lane].v[0]);
@@ -144,11 +153,11 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_fwd_kernel(const T* __res
       }
       const acc_t n = static_cast<acc_t>(cnt);
       const acc_t dm = s1 / n;
-      st = {shift + dm, max(s2 - s1 * dm, acc_t(0)), n};
+      st = {(shift - row_shift) + dm, max(s2 - s1 * dm, acc_t(0)), n};
     }
     st = team_allreduce(st, smem, tpr);
     if (!valid) continue;
-    const acc_t mu = st.mean;
+    const acc_t mu = row_shift + st.mean;
     const acc_t rs = rsqrt_(st.m2 / static_cast<acc_t>(N) + eps);
     if (lane == 0) {
       mean_out[row] = mu;
@@ -205,7 +214,7 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_bwd_dx_kernel(const T* __
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
           acc_t wg = static_cast<acc_t>(pg.v[k]);
-          if (w != nullptr) wg *= static_cast<acc_t>(pw.v[k]);
+          if (w != nullptr) wg = mul_rn(wg, static_cast<acc_t>(pw.v[k]));
           s.a += wg;
           s.b += wg * (static_cast<acc_t>(px.v[k]) - mu);
         }
@@ -225,7 +234,7 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_bwd_dx_kernel(const T* __
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         acc_t wg = static_cast<acc_t>(pg.v[k]);
-        if (w != nullptr) wg *= static_cast<acc_t>(pw.v[k]);
+        if (w != nullptr) wg = mul_rn(wg, static_cast<acc_t>(pw.v[k]));
         const acc_t xhat = (static_cast<acc_t>(px.v[k]) - mu) * rs;
         out.v[k] = static_cast<T>(rs * (wg - a - xhat * bsum));
       }
