@@ -41,7 +41,7 @@ def _check_positive_int(name: str, value, optional: bool = True) -> None:
 
 
 class _Section:
-    """Validation shared by every section: __post_init__ and validate() run _check()."""
+    """Validation shared by every section: __post_init__ and validate() run the section's own _check()."""
 
     _prefix = ""
 
@@ -50,9 +50,6 @@ class _Section:
 
     def validate(self) -> None:
         self._check()
-
-    def _check(self) -> None:  # pragma: no cover - every section overrides it
-        raise NotImplementedError
 
     def _name(self, attr: str) -> str:
         return f"{self._prefix}.{attr}" if self._prefix else attr
