@@ -139,12 +139,13 @@ def _wrap_loader(loader, config: Config, backend: str, device: torch.device):
     from accel.runtime.io.prefetcher import Prefetcher
 
     dl = config.dataloader
+    buckets = dl.bucket_lengths()
     if dl.pack:
         from accel.data.packing import packed_loader_like
 
         loader = packed_loader_like(loader, dl.max_length, pad_token_id=int(dl.pad_value_dict.get("input_ids", 0)))
-    elif dl.bucket_lengths() is not None:
-        loader = BucketPaddedLoader(loader, dl.bucket_lengths(), dl.pad_value_dict)
+    elif buckets is not None:
+        loader = BucketPaddedLoader(loader, buckets, dl.pad_value_dict)
     loader = MpDeviceLoader(loader, device) if backend == "xla" else Prefetcher(loader, device=device)
     if config.compute.recompile_guard:
         from accel.compiler.recompile_guard import GuardedLoader, RecompileGuard
@@ -203,8 +204,8 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
     if dtype is not None:  # outermost: PackedModel calls parts of the model, not its forward
         object.__setattr__(model, "forward", _AutocastForward(model, device.type, dtype))
     if compiled:
-        buckets = config.dataloader.bucket_lengths() or [0]
-        _compile(model, backend, config.compute.cuda_graphs, len(buckets))
+        n_shapes = len(config.dataloader.bucket_lengths() or ()) or 1  # packed or unbucketed: one length
+        _compile(model, backend, config.compute.cuda_graphs, n_shapes)
     if backend != "xla":
         from accel.compiler.optimizer import adopt_optimizers
 
