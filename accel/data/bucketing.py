@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from accel.data.padding_stats import PaddingStats, slots_padded_to_longest
+from accel.data.padding_stats import PaddingStats, check_lengths, slots_padded_to_longest
 from accel.utils.loader import LoaderWrapper
 
 LABEL_PAD = -100
@@ -56,10 +56,27 @@ def bucket_padding_stats(lengths: Sequence[int], batches: Sequence[Sequence[int]
     return PaddingStats(real_tokens=real, slots_before=before, slots_after=after)
 
 
-def _token_field(values) -> torch.Tensor | None:
-    """A 1-D tensor for a per-token field, or None for a per-sample (scalar) value."""
-    t = torch.as_tensor(values)
-    return t if t.dim() == 1 else None
+_SUPPORTED = ("BucketingCollate batches numbers: a per-token sequence as long as input_ids, or a per-sample "
+              "value (a number, or a tensor of one shape in every sample)")
+
+
+def _field(pos: int, key: str, value) -> torch.Tensor:
+    """samples[pos][key] as a tensor; what cannot be batched is refused with a message saying what can."""
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"samples[{pos}]['{key}'] is a {type(value).__name__}; {_SUPPORTED}. "
+                         "Tokenize it or leave it out of the samples")
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"samples[{pos}]['{key}'] cannot be made a tensor ({exc}); {_SUPPORTED}") from None
+
+
+def _is_integer(t: torch.Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+def _form(t: torch.Tensor) -> str:
+    return "per-token (1-D)" if t.dim() == 1 else f"per-sample (shape {tuple(t.shape)})"
 
 
 class BucketingCollate:
@@ -96,6 +113,16 @@ class BucketingCollate:
             return self.pad_token_id
         return LABEL_PAD if key == "labels" else 0
 
+    @staticmethod
+    def _check_same_keys(pos: int, sample: Mapping, first: Mapping) -> None:
+        keys, expected = set(sample) - {"attention_mask"}, set(first) - {"attention_mask"}
+        if keys != expected:
+            extra, missing = sorted(keys - expected), sorted(expected - keys)
+            what = (f"has {extra[0]!r}, which samples[0] lacks" if extra
+                    else f"lacks {missing[0]!r}, which samples[0] has")
+            raise ValueError(f"samples[{pos}] {what}; every sample of a batch needs the same fields "
+                             f"(samples[0]: {sorted(expected)}, samples[{pos}]: {sorted(keys)})")
+
     def __call__(self, samples: Sequence[Mapping]) -> dict:
         if len(samples) == 0:
             raise ValueError("samples must not be empty")
@@ -106,9 +133,14 @@ class BucketingCollate:
         for pos, sample in enumerate(samples):
             if not isinstance(sample, Mapping) or "input_ids" not in sample:
                 raise ValueError(f"samples[{pos}] must be a mapping with 'input_ids'")
-            ids = _token_field(sample["input_ids"])
-            if ids is None or ids.numel() == 0 or ids.dtype.is_floating_point:
-                raise ValueError(f"samples[{pos}]['input_ids'] must be a non-empty 1-D sequence of ints")
+            if pos > 0:
+                self._check_same_keys(pos, sample, samples[0])
+            ids = _field(pos, "input_ids", sample["input_ids"])
+            if ids.dim() == 1 and ids.numel() == 0:
+                raise ValueError(f"samples[{pos}]['input_ids'] is empty; every sample needs at least one token")
+            if ids.dim() != 1 or not _is_integer(ids):
+                raise ValueError(f"samples[{pos}]['input_ids'] must be a 1-D sequence of ints, "
+                                 f"got shape {tuple(ids.shape)} dtype {str(ids.dtype).replace('torch.', '')}")
             n = ids.numel()
             if n > cap and self.overflow == "error":
                 raise ValueError(f"samples[{pos}] has {n} tokens, more than the largest bucket {cap}; "
@@ -117,11 +149,16 @@ class BucketingCollate:
             for key, value in sample.items():
                 if key == "attention_mask":
                     continue  # rebuilt below from the true lengths
-                field = _token_field(value)
-                if field is not None and field.numel() != n:
+                field = ids if key == "input_ids" else _field(pos, key, value)
+                if field.dim() == 1 and field.numel() != n:
                     raise ValueError(f"samples[{pos}]['{key}'] has {field.numel()} entries, "
                                      f"input_ids has {n}; per-token fields must match")
-                row[key] = field[:cap] if field is not None else torch.as_tensor(value)
+                if pos > 0:
+                    first = rows[0][key]
+                    if (field.dim() == 1) != (first.dim() == 1) or (field.dim() != 1 and field.shape != first.shape):
+                        raise ValueError(f"samples[{pos}]['{key}'] is {_form(field)} but samples[0]['{key}'] is "
+                                         f"{_form(first)}; a field must have one form in every sample of a batch")
+                row[key] = field[:cap] if field.dim() == 1 else field
             rows.append(row)
 
         lengths = [row["input_ids"].numel() for row in rows]
@@ -164,7 +201,7 @@ class BucketBatchSampler(Sampler):
         if overflow not in _OVERFLOWS:
             raise ValueError(f"overflow must be one of {_OVERFLOWS}, got {overflow!r}")
         self.buckets = _check_buckets(buckets)
-        self.lengths = [int(n) for n in lengths]
+        self.lengths = check_lengths(lengths)
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
@@ -173,8 +210,6 @@ class BucketBatchSampler(Sampler):
         self.epoch = 0
         self.members: dict[int, list[int]] = {b: [] for b in self.buckets}
         for i, n in enumerate(self.lengths):
-            if n < 1:
-                raise ValueError(f"lengths[{i}] = {n}; every sample needs at least one token")
             try:
                 self.members[bucket_for(n, self.buckets, overflow)].append(i)
             except ValueError as exc:

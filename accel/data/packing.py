@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.utils.data import Dataset
 
-from accel.data.padding_stats import PaddingStats, consecutive_batches, slots_padded_to_longest
+from accel.data.padding_stats import PaddingStats, check_lengths, consecutive_batches, slots_padded_to_longest
 
 LABEL_PAD = -100
 _STRATEGIES = ("ffd", "greedy")
@@ -81,8 +81,9 @@ def pack_lengths(lengths: Sequence[int], max_length: int, strategy: str = "ffd")
         raise ValueError(f"max_length must be an int >= 1, got {max_length!r}")
     if strategy not in _STRATEGIES:
         raise ValueError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}")
+    lengths = check_lengths(lengths)
     for i, length in enumerate(lengths):
-        if length < 1 or length > max_length:
+        if length > max_length:
             raise ValueError(f"lengths[{i}] = {length} is outside 1..max_length={max_length}")
     if strategy == "ffd":
         return _first_fit_decreasing(lengths, max_length)
@@ -90,7 +91,14 @@ def pack_lengths(lengths: Sequence[int], max_length: int, strategy: str = "ffd")
 
 
 def _as_long(values, what: str) -> torch.Tensor:
-    t = torch.as_tensor(values)
+    if isinstance(values, (str, bytes)):
+        raise ValueError(f"{what} is a {type(values).__name__}; packing needs a 1-D sequence of ints (tokenize it first)")
+    try:
+        t = torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{what} must be a 1-D sequence of ints ({exc})") from None
+    if t.dim() == 1 and t.numel() == 0:
+        raise ValueError(f"{what} is empty; every sample needs at least one token")
     if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise ValueError(f"{what} must be a 1-D sequence of ints, got shape {tuple(t.shape)} dtype {t.dtype}")
     return t.to(torch.long)
@@ -154,10 +162,10 @@ class PackedDataset(Dataset):
             raise ValueError(f"samples[{index}] must be a mapping with 'input_ids'")
         out = {"input_ids": _as_long(sample["input_ids"], f"samples[{index}]['input_ids']")}
         n = out["input_ids"].numel()
-        if n == 0:
-            raise ValueError(f"samples[{index}]['input_ids'] is empty")
-        if ("token_type_ids" in sample) != self.has_token_types or ("labels" in sample) != self.has_labels:
-            raise ValueError(f"samples[{index}] has different keys from samples[0]; all samples need the same")
+        for key, expected in (("token_type_ids", self.has_token_types), ("labels", self.has_labels)):
+            if (key in sample) != expected:
+                what = f"lacks {key!r}, which samples[0] has" if expected else f"has {key!r}, which samples[0] lacks"
+                raise ValueError(f"samples[{index}] {what}; every sample needs the same fields")
         if self.has_token_types:
             out["token_type_ids"] = _as_long(sample["token_type_ids"], f"samples[{index}]['token_type_ids']")
             if out["token_type_ids"].numel() != n:
@@ -165,7 +173,9 @@ class PackedDataset(Dataset):
         if self.has_labels:
             label = sample["labels"]
             if _is_scalar_label(label) != self.scalar_labels:
-                raise ValueError(f"samples[{index}]['labels'] mixes scalar and per-token labels across samples")
+                raise ValueError(f"samples[{index}]['labels'] is {'a scalar' if _is_scalar_label(label) else 'per-token'} "
+                                 f"but samples[0]['labels'] is {'a scalar' if self.scalar_labels else 'per-token'}; "
+                                 "a batch mixes scalar and per-token labels")
             if self.scalar_labels:
                 out["labels"] = int(label)
             else:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+import operator
 from dataclasses import dataclass
 
 
@@ -65,3 +66,20 @@ def consecutive_batches(n: int, batch_size: int) -> list[range]:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     return [range(start, min(start + batch_size, n)) for start in range(0, n, batch_size)]
+
+
+def check_lengths(lengths: Iterable, name: str = "lengths") -> list[int]:
+    """Sample lengths as a list of ints >= 1. A float is refused rather than truncated (3.7 tokens is a
+    bug upstream, not 3 tokens): TypeError naming the entry; a length < 1 is a ValueError."""
+    out = []
+    for i, n in enumerate(lengths):
+        try:
+            if isinstance(n, bool):
+                raise TypeError
+            value = operator.index(n)  # ints, numpy ints, 0-d integer tensors
+        except TypeError:
+            raise TypeError(f"{name}[{i}] must be an int, got {n!r} ({type(n).__name__})") from None
+        if value < 1:
+            raise ValueError(f"{name}[{i}] = {value}; every sample needs at least one token")
+        out.append(value)
+    return out

@@ -113,3 +113,62 @@ def test_bad_arguments():
         BucketBatchSampler([1, 99], batch_size=2, buckets=BUCKETS)
     with pytest.raises(ValueError, match="collate_fn"):
         BucketingLoader(_dataset(4), batch_size=2, collate_fn=list)
+
+
+class TestCollateRefusesWhatItCannotBatch:
+    """Nothing is dropped silently: each refusal names the sample and the field and says what is supported."""
+
+    def test_a_field_only_a_later_sample_has(self):
+        collate = BucketingCollate(BUCKETS)
+        with pytest.raises(ValueError, match=r"samples\[1\] has 'labels', which samples\[0\] lacks"):
+            collate([{"input_ids": [1, 2]}, {"input_ids": [3], "labels": [0]}])
+
+    def test_a_field_a_later_sample_lacks(self):
+        collate = BucketingCollate(BUCKETS)
+        with pytest.raises(ValueError, match=r"samples\[2\] lacks 'labels', which samples\[0\] has"):
+            collate([{"input_ids": [1], "labels": 1}, {"input_ids": [2], "labels": 0}, {"input_ids": [3]}])
+
+    def test_attention_mask_may_differ_as_it_is_rebuilt(self):
+        batch = BucketingCollate(BUCKETS)([{"input_ids": [1, 2], "attention_mask": [1, 1]}, {"input_ids": [3]}])
+        assert batch["attention_mask"].tolist() == [[1, 1] + [0] * 6, [1] + [0] * 7]
+
+    @pytest.mark.parametrize("value", ["a sentence", b"raw", ["a", "b"]])
+    def test_text_fields(self, value):
+        with pytest.raises(ValueError, match=r"samples\[0\]\['text'\] .*BucketingCollate batches numbers"):
+            BucketingCollate(BUCKETS)([{"input_ids": [1, 2], "text": value}])
+
+    def test_scalar_and_per_token_labels_mixed(self):
+        collate = BucketingCollate(BUCKETS)
+        with pytest.raises(ValueError, match=r"samples\[1\]\['labels'\] is per-token \(1-D\) but samples\[0\]"
+                                             r"\['labels'\] is per-sample \(shape \(\)\)"):
+            collate([{"input_ids": [1, 2], "labels": 3}, {"input_ids": [4, 5], "labels": [0, 1]}])
+        with pytest.raises(ValueError, match=r"samples\[1\]\['labels'\] is per-sample"):
+            collate([{"input_ids": [1, 2], "labels": [0, 1]}, {"input_ids": [4, 5], "labels": 3}])
+
+    def test_per_sample_values_of_one_shape_are_stacked_and_of_two_refused(self):
+        collate = BucketingCollate(BUCKETS)
+        batch = collate([{"input_ids": [1], "pixel_values": torch.ones(2, 3)},
+                         {"input_ids": [2, 3], "pixel_values": torch.zeros(2, 3)}])
+        assert batch["pixel_values"].shape == (2, 2, 3)
+        with pytest.raises(ValueError, match=r"samples\[1\]\['pixel_values'\] is per-sample \(shape \(3, 2\)\)"):
+            collate([{"input_ids": [1], "pixel_values": torch.ones(2, 3)},
+                     {"input_ids": [2], "pixel_values": torch.ones(3, 2)}])
+
+    def test_empty_sequence_says_it_is_empty(self):
+        with pytest.raises(ValueError, match=r"samples\[1\]\['input_ids'\] is empty"):
+            BucketingCollate(BUCKETS)([{"input_ids": [1]}, {"input_ids": []}])
+
+    def test_float_token_ids(self):
+        with pytest.raises(ValueError, match=r"samples\[0\]\['input_ids'\] must be a 1-D sequence of ints, "
+                                             r"got shape \(2,\) dtype float32"):
+            BucketingCollate(BUCKETS)([{"input_ids": [1.0, 2.5]}])
+
+    @pytest.mark.parametrize("bad", [3.7, 3.0, True, "3"])
+    def test_non_int_lengths_rejected_not_truncated(self, bad):
+        with pytest.raises(TypeError, match=r"lengths\[1\] must be an int"):
+            BucketBatchSampler([2, bad], batch_size=1, buckets=BUCKETS)
+
+    def test_integer_like_lengths_accepted(self):
+        import numpy as np
+        sampler = BucketBatchSampler([np.int64(3), torch.tensor(9), 2], batch_size=1, buckets=BUCKETS, shuffle=False)
+        assert sampler.lengths == [3, 9, 2] and all(type(n) is int for n in sampler.lengths)

@@ -69,7 +69,8 @@ class TestPackedRows:
         assert [ds[r]["labels"].tolist() for r in range(len(ds))] == [[3, 0], [1, -100]]
 
     def test_mixed_label_kinds_rejected(self):
-        with pytest.raises(ValueError, match=r"samples\[1\]\['labels'\] mixes"):
+        with pytest.raises(ValueError, match=r"samples\[1\]\['labels'\] is per-token but samples\[0\]\['labels'\] "
+                                             r"is a scalar; a batch mixes scalar and per-token labels"):
             PackedDataset([{"input_ids": [1], "labels": 0}, {"input_ids": [1], "labels": [0]}], 4)
 
     def test_per_token_labels_must_match_length(self):
@@ -186,3 +187,23 @@ def test_packed_bert_bool_mask_with_sdpa():
         alone = model(input_ids=torch.tensor([samples[1]["input_ids"]]),
                       token_type_ids=torch.tensor([samples[1]["token_type_ids"]])).last_hidden_state[0]
     torch.testing.assert_close(packed[0, 5:13], alone, atol=1e-5, rtol=1e-5)
+
+
+class TestPackingRefusals:
+    def test_empty_sample_says_it_is_empty(self):
+        with pytest.raises(ValueError, match=r"samples\[1\]\['input_ids'\] is empty"):
+            PackedDataset([{"input_ids": [1]}, {"input_ids": []}], 4)
+
+    def test_text_instead_of_token_ids(self):
+        with pytest.raises(ValueError, match=r"samples\[0\]\['input_ids'\] is a str; packing needs a 1-D sequence"):
+            PackedDataset([{"input_ids": "hello"}], 4)
+
+    def test_field_only_a_later_sample_has(self):
+        with pytest.raises(ValueError, match=r"samples\[1\] has 'labels', which samples\[0\] lacks"):
+            PackedDataset([{"input_ids": [1]}, {"input_ids": [2], "labels": [0]}], 4)
+
+    @pytest.mark.parametrize("bad", [2.5, 2.0])
+    def test_float_lengths_rejected(self, bad):
+        from accel.data.packing import pack_lengths
+        with pytest.raises(TypeError, match=r"lengths\[0\] must be an int"):
+            pack_lengths([bad, 1], 4)
