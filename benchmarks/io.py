@@ -7,7 +7,8 @@ steady-state ms per step (mean gap between batch arrivals, so the unavoidable wa
 batch is left out) and the fraction of L hidden, (plain - prefetched) / L, whose ceiling is min(L, S) / L
 (L and S as measured alone in the same run).
 "guide calls" drives the Prefetcher the way the TorchAcc guide does (prefetch_CPU after backward, i.e.
-half-way through the step, prefetch_GPU after the optimizer step), so it can only hide up to S/2.
+half-way through the step, prefetch_GPU after the optimizer step); the prefetcher keeps reading ahead
+regardless, so it should hide as much as "auto".
 
 Part 2 (padding): lognormal sample lengths (median ~64, clipped to 512) batched in random order and
 padded to the longest of each batch, against padding to 512, packing into 512-token rows, and

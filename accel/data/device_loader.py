@@ -80,9 +80,10 @@ class MpDeviceLoader(LoaderWrapper):
         loader_prefetch_size: how many host batches may wait for their copy (default 8).
         device_prefetch_size: how many batches may wait on the device (default 4).
 
-    Each `for` loop starts a fresh pass (a new epoch) and stops the previous one's threads. A loader
-    exception is re-raised in the training loop with its original type and traceback. Breaking out of
-    the loop stops the threads once the iterator is dropped; `close()` stops them at once.
+    Each `for` loop is a pass of its own with its own threads, as a DataLoader's are, so nested loops
+    over one loader see every pair of batches. A loader exception is re-raised in the training loop with
+    its original type and traceback. Breaking out of a loop stops its threads once the iterator is
+    dropped; `close()` stops every pass at once.
     """
 
     def __init__(self, loader, device, **kwargs):
@@ -93,23 +94,19 @@ class MpDeviceLoader(LoaderWrapper):
         self._device = resolve_device(device)
         self._loader_prefetch_size = _positive_int("loader_prefetch_size", kwargs.get("loader_prefetch_size", 8))
         self._device_prefetch_size = _positive_int("device_prefetch_size", kwargs.get("device_prefetch_size", 4))
-        self._current = None
+        self._passes: weakref.WeakSet = weakref.WeakSet()  # weak: a loop that breaks early frees its pass
 
     @property
     def device(self):
         return self._device
 
     def __iter__(self):
-        self.close()
         iterator = _DeviceLoaderIterator(self.loader, self._device, self._loader_prefetch_size,
                                          self._device_prefetch_size)
-        # A weak reference, so a loop that breaks early still frees its iterator (and threads).
-        self._current = weakref.ref(iterator)
+        self._passes.add(iterator)
         return iterator
 
     def close(self) -> None:
-        """Stop the threads of the current pass, if any."""
-        current = self._current() if self._current is not None else None
-        if current is not None:
-            current.close()
-        self._current = None
+        """Stop the threads of every pass still running."""
+        for iterator in list(self._passes):
+            iterator.close()

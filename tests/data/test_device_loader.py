@@ -111,16 +111,24 @@ def test_early_break_stops_threads_and_new_epoch_restarts():
     assert [int(b["y"].x) for b in device_loader] == list(range(50))
 
 
-def test_explicit_close_and_reiterating_closes_previous_pass():
+def test_passes_are_independent_and_close_stops_every_one():
     device_loader = MpDeviceLoader(DataLoader(Numbers(20), batch_size=1), "cpu", device_prefetch_size=1)
     first = iter(device_loader)
-    next(first)
-    second = iter(device_loader)  # like torch_xla: a new pass stops the old one
-    assert list(first) == []
-    assert len(list(second)) == 20
-    third = iter(device_loader)
+    assert int(next(first)["id"]) == 0
+    second = iter(device_loader)  # a second pass, as a DataLoader's: the first goes on where it was
+    assert [int(b["id"]) for b in second] == list(range(20))
+    assert [int(b["id"]) for b in first] == list(range(1, 20))
+    third, fourth = iter(device_loader), iter(device_loader)
     device_loader.close()
-    assert list(third) == []
+    assert list(third) == [] and list(fourth) == []
+    assert _wait_for_no_loader_threads() == []
+
+
+def test_nested_loops_see_every_pair():
+    device_loader = MpDeviceLoader(DataLoader(Numbers(5), batch_size=1), "cpu")
+    pairs = [(int(a["id"]), int(b["id"])) for a in device_loader for b in device_loader]
+    assert pairs == [(i, j) for i in range(5) for j in range(5)]
+    gc.collect()
     assert _wait_for_no_loader_threads() == []
 
 

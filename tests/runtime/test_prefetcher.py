@@ -80,19 +80,38 @@ def test_reads_ahead_without_being_asked():
     prefetcher.close()
 
 
-def test_after_guide_calls_it_reads_when_told():
-    reads = []
-    prefetcher = Prefetcher(DataLoader(Numbers(5, on_get=reads.append), batch_size=1), device="cpu")
-    prefetcher.prefetch_CPU()  # before the loop: hands the timing to the caller (nothing to read yet)
-    it = iter(prefetcher)
-    next(it)
-    assert _no_threads_left()  # the worker finishes what it was given, idles and exits
-    assert reads == [0]  # nothing read ahead until prefetch_CPU is called
-    prefetcher.prefetch_CPU()
-    prefetcher.prefetch_GPU()
-    batch = next(it)
-    assert int(batch["id"]) == 1 and reads == [0, 1]
+def test_guide_calls_keep_the_read_ahead():
+    # Called as the guide shows, prefetch_CPU/prefetch_GPU must not hand the timing to the caller: the
+    # next batch is still read while the loop works on this one, before any call is made.
+    read = {i: threading.Event() for i in range(5)}
+    prefetcher = Prefetcher(DataLoader(Numbers(5, on_get=lambda i: read[i].set()), batch_size=1), device="cpu")
+    for step, batch in enumerate(prefetcher):
+        assert int(batch["id"]) == step
+        if step + 1 < 5:
+            assert read[step + 1].wait(10), f"batch {step + 1} was not read ahead during step {step}"
+        prefetcher.prefetch_CPU()
+        prefetcher.prefetch_GPU()
+    assert _no_threads_left()
+
+
+def test_nested_loops_see_every_pair():
+    prefetcher = Prefetcher(DataLoader(Numbers(5), batch_size=1), device="cpu")
+    pairs = []
+    for a in prefetcher:
+        for b in prefetcher:
+            pairs.append((int(a["id"]), int(b["id"])))
+            prefetcher.prefetch_CPU()  # reaches every live pass; harmless to both
+    assert pairs == [(i, j) for i in range(5) for j in range(5)]
+    assert _no_threads_left()
+
+
+def test_close_stops_every_pass():
+    prefetcher = Prefetcher(DataLoader(Numbers(20), batch_size=1), device="cpu")
+    first, second = iter(prefetcher), iter(prefetcher)
+    assert int(next(first)["id"]) == 0 and int(next(second)["id"]) == 0
     prefetcher.close()
+    assert list(first) == [] and list(second) == []
+    assert _no_threads_left()
 
 
 def test_loader_exception_reraised_with_type_and_traceback():
@@ -127,7 +146,7 @@ def test_early_break_with_worker_processes_and_context_manager():
         for step, _ in enumerate(prefetcher):
             if step == 1:
                 break
-    assert prefetcher._epoch is None
+    assert len(prefetcher._passes) == 0  # closed, and dropped with the loop
     assert _no_threads_left()
 
 

@@ -21,14 +21,20 @@ How each device is served (one background thread reads, and starts copies, in lo
 - cpu: reading and preprocess_fn run in the background thread.
 preprocess_fn always runs under torch.no_grad().
 
-Without prefetch_CPU/prefetch_GPU calls the prefetcher keeps one batch ahead on its own. After the first
-call to either, it leaves the timing to the caller; a batch the caller did not request in time is read
-and copied when the loop asks for it, so a missed call costs overlap, never a batch.
+The prefetcher always keeps the next batch read and copied ahead in the background, from the moment the
+loop takes a batch. prefetch_CPU/prefetch_GPU mark points where the caller allows that work; the read and
+the copy have usually started long before, so the calls never delay anything (they only start the next
+batch if it somehow is not under way yet), and a loop written as the guide shows is as fast as one
+without the calls.
+
+Each `for` loop over a Prefetcher is a pass of its own, as a DataLoader's are: nested loops see every
+pair of batches, and breaking out of a loop stops that pass's thread once its iterator is dropped.
 """
 from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from concurrent.futures import Future
 
 import torch
@@ -81,12 +87,14 @@ class _Worker:
             if job is None:
                 return
             fn, future = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - the training loop re-raises it via result()
-                future.set_exception(exc)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - the training loop re-raises it via result()
+                    future.set_exception(exc)
+            # Hold nothing of the finished job while idle: it refers to its pass, which must be
+            # collectable (and so stopped) as soon as the training loop drops it.
+            del job, fn, future
 
     def close(self, timeout_s: float) -> None:
         with self._lock:
@@ -155,8 +163,9 @@ def _transfer_for(device: torch.device, preprocess_fn) -> _Transfer:
     return _CpuTransfer(device, preprocess_fn)
 
 
-class _Epoch:
-    """One pass over the loader. Holds no reference to the Prefetcher, so dropping that stops this."""
+class _Pass:
+    """One pass over the loader: the iterator a `for` loop gets. Holds no reference to the Prefetcher,
+    and no other pass shares its state, so passes are independent and dropping one stops it."""
 
     def __init__(self, loader, transfer: _Transfer):
         self.loader = loader
@@ -165,6 +174,8 @@ class _Epoch:
         self.fetch: Future | None = None
         self.copy: Future | None = None
         self.worker = _Worker("accel-Prefetcher")
+        self.closed = False
+        self.prefetch_device()  # the first batch is needed at once
 
     def _read(self):
         if self.iterator is None:
@@ -183,21 +194,40 @@ class _Epoch:
         return self.transfer.to_device(host)
 
     def prefetch_cpu(self) -> None:
-        if self.fetch is None:
+        if self.fetch is None and not self.closed:
             self.fetch = self.worker.submit(self._read)
 
     def prefetch_device(self) -> None:
         self.prefetch_cpu()
-        if self.copy is None:
+        if self.copy is None and not self.closed:
             fetched = self.fetch
             self.copy = self.worker.submit(lambda: self._to_device(fetched))
 
-    def take(self):
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.closed:
+            raise StopIteration
         self.prefetch_device()
         copy, self.fetch, self.copy = self.copy, None, None
-        return copy.result()
+        try:
+            item = copy.result()
+            if item is _END:
+                self.close()
+                raise StopIteration
+            batch = self.transfer.finish(item)
+        except BaseException:
+            self.close()
+            raise  # the loader's own exception, with its traceback (Future.result re-raises it)
+        self.prefetch_device()  # read and copy the next batch while the caller trains on this one
+        return batch
+
+    def __len__(self):
+        return len(self.loader)
 
     def close(self, timeout_s: float = 60.0) -> None:
+        self.closed = True
         for future in (self.fetch, self.copy):
             if future is not None:
                 future.cancel()  # a job not yet started is skipped; a running one finishes its batch
@@ -205,6 +235,12 @@ class _Epoch:
         self.worker.close(timeout_s)
         # Dropping a DataLoader iterator shuts its worker processes down.
         self.iterator = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
 
 
 class Prefetcher:
@@ -228,8 +264,7 @@ class Prefetcher:
         self.data_loader = data_loader
         self.device = resolve_device(device)
         self._transfer = _transfer_for(self.device, preprocess_fn)
-        self._epoch: _Epoch | None = None
-        self._caller_drives = False
+        self._passes: weakref.WeakSet = weakref.WeakSet()  # weak: a loop that breaks early frees its pass
 
     def __len__(self):
         return len(self.data_loader)
@@ -243,58 +278,29 @@ class Prefetcher:
         return self.data_loader.dataset
 
     def __iter__(self):
-        self.close()
-        self._epoch = _Epoch(self.data_loader, self._transfer)
-        self._epoch.prefetch_device()  # the first batch is needed at once
-        return self
-
-    def __next__(self):
-        epoch = self._epoch
-        if epoch is None:
-            raise StopIteration
-        try:
-            item = epoch.take()
-        except BaseException:
-            self.close()
-            raise  # the loader's own exception, with its traceback (Future.result re-raises it)
-        if item is _END:
-            self.close()
-            raise StopIteration
-        try:
-            batch = self._transfer.finish(item)
-        except BaseException:
-            self.close()
-            raise
-        if not self._caller_drives:
-            epoch.prefetch_device()
-        return batch
+        one_pass = _Pass(self.data_loader, self._transfer)
+        self._passes.add(one_pass)
+        return one_pass
 
     def prefetch_CPU(self) -> None:  # noqa: N802 - the guide's name
-        """Start reading the next host batch in the background (call after backward)."""
-        self._caller_drives = True
-        if self._epoch is not None:
-            self._epoch.prefetch_cpu()
+        """The guide's point after backward where reading the next batch may start. It has normally
+        started already (see the module docstring); this only makes sure."""
+        for one_pass in list(self._passes):
+            one_pass.prefetch_cpu()
 
     def prefetch_GPU(self) -> None:  # noqa: N802 - the guide's name
-        """Start the next batch's host-to-device copy (call after the optimizer step)."""
-        self._caller_drives = True
-        if self._epoch is not None:
-            self._epoch.prefetch_device()
+        """The guide's point after the optimizer step where the next batch's copy to the device may
+        start. As with prefetch_CPU, it has normally started already."""
+        for one_pass in list(self._passes):
+            one_pass.prefetch_device()
 
     def close(self) -> None:
-        """Stop the background thread of the current pass (also done at the end of a pass)."""
-        epoch, self._epoch = self._epoch, None
-        if epoch is not None:
-            epoch.close()
+        """Stop the background thread of every pass still running (a pass also stops at its end)."""
+        for one_pass in list(self._passes):
+            one_pass.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc_info):
         self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finalizer
-            pass
