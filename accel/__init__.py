@@ -8,3 +8,4 @@ __version__ = "0.1.0"
 from accel.checkpoint import auto_checkpoint
 from accel.config import Config
 from accel.accelerate import accelerate
+from accel.distributed import accumulate

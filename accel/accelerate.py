@@ -28,13 +28,21 @@ What it does, in order (each step says why it sits where it does):
    lazy-tensor device itself is the compiler.
    Optimizers the user builds over the model's parameters (cuda, cpu): torch Adam/AdamW at their defaults
    switch to torch's fused kernel, and steps are compiled where that pays (accel.compiler.optimizer).
-8. the loader: static shapes by bucketing (dataloader.buckets / max_length / num_buckets: every batch
+8. distributed (when the launcher started several ranks): the process group is started if the script
+   has not (xla / nccl / gloo), then dist.dp / dist.fsdp wrap the model: DDP, FSDP2 (one unit per block
+   of dist.fsdp.wrap_layer_cls, or per repeated block), HSDP for both; on xla, gradients averaged at each
+   optimizer step (accel.distributed). It wraps after the steps above (FSDP2 shards the parameters the
+   model ends up with) and before compile (the compiled graph includes the wrapper's hooks).
+   Gradient accumulation: `with accel.accumulate(model, steps):` around each micro-batch.
+9. the loader: each rank gets its share (a DistributedSampler, set_epoch at every pass; accel.data.sharding),
+   then static shapes by bucketing (dataloader.buckets / max_length / num_buckets: every batch
    padded to a bucket length) or packing; then the backend's device loader (MpDeviceLoader on xla,
    the Prefetcher with pinned host memory on cuda, the Prefetcher's background reads on cpu); with
    compute.recompile_guard, a guard that warns about compilations after the first steps.
 
-The model is modified in place where possible (kernels, checkpointing, compile) and returned; its
-state_dict keys stay as they were except under packing (the wrapper holds the model as `.model`).
+The model is modified in place where possible (kernels, checkpointing, FSDP2, compile) and returned; its
+state_dict keys stay as they were except under packing (the wrapper holds the model as `.model`) and DDP
+(`.module`).
 """
 from __future__ import annotations
 
@@ -44,6 +52,7 @@ import warnings
 import torch
 from torch import nn
 
+from accel import distributed
 from accel.amp.autocast_mode import autocast
 from accel.config import Config
 from accel.utils.cpu import native_bf16, warn_emulated_bf16
@@ -136,15 +145,17 @@ def _compile(model: nn.Module, backend: str, cuda_graphs: bool, n_shapes: int) -
 def _wrap_loader(loader, config: Config, backend: str, device: torch.device):
     from accel.data.bucketing import BucketPaddedLoader
     from accel.data.device_loader import MpDeviceLoader
+    from accel.data.sharding import shard_loader
     from accel.runtime.io.prefetcher import Prefetcher
 
     dl = config.dataloader
     buckets = dl.bucket_lengths()
-    if dl.pack:
+    if dl.pack:  # shard the packed rows: packing builds a new DataLoader over them
         from accel.data.packing import packed_loader_like
 
         loader = packed_loader_like(loader, dl.max_length, pad_token_id=int(dl.pad_value_dict.get("input_ids", 0)))
-    elif buckets is not None:
+    loader = shard_loader(loader, distributed.rank(), distributed.world_size())
+    if buckets is not None and not dl.pack:
         loader = BucketPaddedLoader(loader, buckets, dl.pad_value_dict)
     loader = MpDeviceLoader(loader, device) if backend == "xla" else Prefetcher(loader, device=device)
     if config.compute.recompile_guard:
@@ -184,6 +195,7 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
                       stacklevel=2)
 
     backend = resolve_backend(config.backend)
+    config.dist.sizes(distributed.start_process_group(backend))  # refuse sizes that do not fit before any work
     device = _device(backend)
     dtype = _autocast_dtype(config, backend)
     compiled = config.compute.compile and backend != "xla"
@@ -203,13 +215,13 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         model = PackedModel(model)
     if dtype is not None:  # outermost: PackedModel calls parts of the model, not its forward
         object.__setattr__(model, "forward", _AutocastForward(model, device.type, dtype))
+    model = distributed.wrap_model(model, backend, device, config.dist, dtype)
     if compiled:
         n_shapes = len(config.dataloader.bucket_lengths() or ()) or 1  # packed or unbucketed: one length
         _compile(model, backend, config.compute.cuda_graphs, n_shapes)
-    if backend != "xla":
-        from accel.compiler.optimizer import adopt_optimizers
+    from accel.compiler.optimizer import adopt_optimizers
 
-        adopt_optimizers(model, compile_steps=compiled)
+    adopt_optimizers(model, compile_steps=compiled, reduce_gradients=distributed.reduces_gradients_on_step(model))
 
     if dataloader is None:
         return model

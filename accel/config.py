@@ -7,8 +7,9 @@
     model, loader = accel.accelerate(model, loader, config)
 
 TorchAcc's field names are kept so its users' configs carry over (backend, compute.fp16/bf16,
-memory.gc/gc_cls/gc_cnt, dataloader.buckets/max_length/num_buckets/pad_value_dict); accel's own
-fields sit beside them (compute.compile/cuda_graphs/kernels, dataloader.pack).
+memory.gc/gc_cls/gc_cnt, dataloader.buckets/max_length/num_buckets/pad_value_dict, dist.dp.size,
+dist.fsdp.size/wrap_layer_cls/flatten_parameters/cpu_offload, dist.topology); accel's own fields sit
+beside them (compute.compile/cuda_graphs/kernels, dataloader.pack).
 
 Every section validates itself in __post_init__ (a bad value raises ValueError naming the field), and
 Config.validate() re-checks the whole tree, which accelerate() calls: fields assigned after
@@ -38,6 +39,21 @@ def _check_positive_int(name: str, value, optional: bool = True) -> None:
         return
     if not _is_int(value) or value < 1:
         raise ValueError(f"{name}: expected {'None or ' if optional else ''}an int >= 1, got {value!r}")
+
+
+def _class_names(name: str, value) -> Optional[set]:
+    """None, or a non-empty set of class-name strings (a single string is taken as one name)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = {value}
+    try:
+        names = set(value)
+    except TypeError:
+        raise ValueError(f"{name}: expected None or a set of class names, got {value!r}") from None
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"{name}: expected a non-empty set of class-name strings, got {value!r}")
+    return names
 
 
 class _Section:
@@ -101,16 +117,7 @@ class MemoryConfig(_Section):
 
     def _check(self) -> None:
         _check_bool("memory.gc", self.gc)
-        if self.gc_cls is not None:
-            if isinstance(self.gc_cls, str):
-                self.gc_cls = {self.gc_cls}
-            try:
-                names = set(self.gc_cls)
-            except TypeError:
-                raise ValueError(f"memory.gc_cls: expected None or a set of class names, got {self.gc_cls!r}") from None
-            if not names or not all(isinstance(n, str) and n for n in names):
-                raise ValueError(f"memory.gc_cls: expected a non-empty set of class-name strings, got {self.gc_cls!r}")
-            self.gc_cls = names
+        self.gc_cls = _class_names("memory.gc_cls", self.gc_cls)
         _check_positive_int("memory.gc_cnt", self.gc_cnt)
         if not self.gc and (self.gc_cls is not None or self.gc_cnt is not None):
             raise ValueError("memory.gc_cls and memory.gc_cnt take effect only with memory.gc=True")
@@ -177,6 +184,85 @@ class DataLoaderConfig(_Section):
 
 
 @dataclass
+class DPConfig(_Section):
+    """Data parallel: size replicas of the model (DDP on cuda/cpu, gradient all-reduce on xla).
+
+    size: None means world_size / dist.fsdp.size.
+    """
+
+    _prefix = "dist.dp"
+    size: Optional[int] = None
+
+    def _check(self) -> None:
+        _check_positive_int("dist.dp.size", self.size)
+
+
+@dataclass
+class FSDPConfig(_Section):
+    """Fully sharded data parallel over size ranks (torch FSDP2, fully_shard).
+
+    wrap_layer_cls: class names of the blocks that become one FSDP unit each; None: the repeated
+        blocks accel.auto_checkpoint finds.
+    flatten_parameters: TorchAcc's field, kept so its configs load. FSDP2 shards every parameter on
+        its own (no flat parameter), so it has no effect there.
+    cpu_offload: keep the sharded parameters, gradients and optimizer state in host memory.
+    """
+
+    _prefix = "dist.fsdp"
+    size: int = 1
+    wrap_layer_cls: Optional[set] = None
+    flatten_parameters: bool = True
+    cpu_offload: bool = False
+
+    def _check(self) -> None:
+        _check_positive_int("dist.fsdp.size", self.size, optional=False)
+        self.wrap_layer_cls = _class_names("dist.fsdp.wrap_layer_cls", self.wrap_layer_cls)
+        _check_bool("dist.fsdp.flatten_parameters", self.flatten_parameters)
+        _check_bool("dist.fsdp.cpu_offload", self.cpu_offload)
+
+
+TOPOLOGY_AXES = ("dp", "fsdp")
+
+
+@dataclass
+class DistConfig(_Section):
+    """How the ranks of a distributed run share the work (accelerate() starts the process group when
+    none exists: xla on the xla backend, nccl on cuda, gloo on cpu).
+
+    topology: the order of the mesh axes, outermost first: ["dp", "fsdp"] (the default) puts the ranks
+        of one FSDP group next to each other (ranks 0..fsdp.size-1 shard one replica), so sharding
+        traffic stays within a node.
+    """
+
+    _prefix = "dist"
+    dp: DPConfig = field(default_factory=DPConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    topology: list = field(default_factory=lambda: list(TOPOLOGY_AXES))
+
+    def _check(self) -> None:
+        for name, kind in (("dp", DPConfig), ("fsdp", FSDPConfig)):
+            section = getattr(self, name)
+            if not isinstance(section, kind):
+                raise ValueError(f"dist.{name}: expected an accel.config.{kind.__name__}, got {type(section).__name__}")
+            section.validate()
+        if not isinstance(self.topology, (list, tuple)) or sorted(self.topology) != sorted(TOPOLOGY_AXES):
+            raise ValueError(f"dist.topology: expected an ordering of {list(TOPOLOGY_AXES)}, got {self.topology!r}")
+        self.topology = list(self.topology)
+
+    def sizes(self, world_size: int) -> tuple[int, int]:
+        """(dp, fsdp) for a run of world_size ranks; ValueError naming the fields when they do not fit."""
+        fsdp = self.fsdp.size
+        if self.dp.size is None:
+            if world_size % fsdp:
+                raise ValueError(f"dist.fsdp.size={fsdp} does not divide the world size {world_size}")
+            return world_size // fsdp, fsdp
+        if self.dp.size * fsdp != world_size:
+            raise ValueError(f"dist.dp.size * dist.fsdp.size = {self.dp.size} * {fsdp} = {self.dp.size * fsdp}, "
+                             f"but the world size is {world_size}")
+        return self.dp.size, fsdp
+
+
+@dataclass
 class Config(_Section):
     """The root: backend plus one section per concern.
 
@@ -188,11 +274,13 @@ class Config(_Section):
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     dataloader: DataLoaderConfig = field(default_factory=DataLoaderConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def _check(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
-        for name, kind in (("compute", ComputeConfig), ("memory", MemoryConfig), ("dataloader", DataLoaderConfig)):
+        for name, kind in (("compute", ComputeConfig), ("memory", MemoryConfig), ("dataloader", DataLoaderConfig),
+                           ("dist", DistConfig)):
             section = getattr(self, name)
             if not isinstance(section, kind):
                 raise ValueError(f"{name}: expected an accel.config.{kind.__name__}, got {type(section).__name__}")

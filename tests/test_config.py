@@ -65,3 +65,57 @@ def test_bucket_lengths():
     assert DataLoaderConfig(max_length=100, num_buckets=3).bucket_lengths() == [40, 72, 100]
     assert DataLoaderConfig(max_length=64, pack=True).bucket_lengths() is None
     assert MemoryConfig(gc=True, gc_cls="BertLayer").gc_cls == {"BertLayer"}
+
+
+class TestDistConfig:
+    def test_defaults_and_sizes(self):
+        config = accel.Config()
+        assert config.dist.topology == ["dp", "fsdp"] and config.dist.fsdp.size == 1 and config.dist.dp.size is None
+        assert config.dist.sizes(8) == (8, 1)
+        config.dist.fsdp.size = 4
+        assert config.dist.sizes(8) == (2, 4)
+        config.dist.dp.size = 2
+        assert config.dist.sizes(8) == (2, 4)
+
+    @pytest.mark.parametrize("dp,fsdp,world,message", [
+        (3, 2, 8, r"dist.dp.size \* dist.fsdp.size = 3 \* 2 = 6, but the world size is 8"),
+        (None, 3, 8, "dist.fsdp.size=3 does not divide the world size 8"),
+    ])
+    def test_sizes_that_do_not_fit(self, dp, fsdp, world, message):
+        config = accel.Config()
+        config.dist.dp.size, config.dist.fsdp.size = dp, fsdp
+        with pytest.raises(ValueError, match=message):
+            config.dist.sizes(world)
+
+    @pytest.mark.parametrize("section,field,value,message", [
+        ("fsdp", "size", 0, "dist.fsdp.size: expected an int >= 1"),
+        ("fsdp", "size", None, "dist.fsdp.size: expected an int >= 1"),
+        ("dp", "size", 1.5, "dist.dp.size: expected None or an int >= 1"),
+        ("fsdp", "wrap_layer_cls", [], "dist.fsdp.wrap_layer_cls: expected a non-empty set"),
+        ("fsdp", "cpu_offload", "yes", "dist.fsdp.cpu_offload: expected a bool"),
+        ("fsdp", "flatten_parameters", 1, "dist.fsdp.flatten_parameters: expected a bool"),
+    ])
+    def test_bad_fields_named(self, section, field, value, message):
+        config = accel.Config()
+        setattr(getattr(config.dist, section), field, value)
+        with pytest.raises(ValueError, match=message):
+            config.validate()
+
+    def test_wrap_layer_cls_string_becomes_a_set(self):
+        config = accel.Config()
+        config.dist.fsdp.wrap_layer_cls = "BertLayer"
+        config.validate()
+        assert config.dist.fsdp.wrap_layer_cls == {"BertLayer"}
+
+    @pytest.mark.parametrize("topology", [["dp"], ["dp", "tp"], "dp,fsdp", ["fsdp", "fsdp"]])
+    def test_bad_topology(self, topology):
+        config = accel.Config()
+        config.dist.topology = topology
+        with pytest.raises(ValueError, match="dist.topology: expected an ordering of"):
+            config.validate()
+
+    def test_no_section_shared_between_configs(self):
+        a, b = accel.Config(), accel.Config()
+        a.dist.topology.reverse()
+        a.dist.fsdp.size = 2
+        assert b.dist.topology == ["dp", "fsdp"] and b.dist.fsdp.size == 1

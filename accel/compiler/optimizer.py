@@ -15,6 +15,10 @@ accelerated model (anything else passes through untouched):
    compiled forward and backward, and for optimizers that are not one fused kernel. A fused step on the
    CPU is one C++ loop already: compiling it adds a compile and nothing else.
 
+3. On the xla backend with several ranks (accel.distributed), the gradients are averaged over the ranks at
+   every step, before the update (one bucketed all-reduce, accel.xla.reduce_gradients): the usual
+   loop needs no xm.optimizer_step. accel.xla.optimizer_step sees the mark and does not reduce twice.
+
 Not compiled: LBFGS-style closures that re-evaluate the model many times, sparse gradients. A scheduler that
 changes a float lr every step makes Dynamo recompile each time (and, past its cache limit, fall back to
 eager): pass lr as a tensor, e.g. AdamW(params, lr=torch.tensor(1e-4)), as torch recommends for compiled
@@ -31,22 +35,29 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 # id -> parameter; entries vanish with their tensors (a WeakSet would compare tensors with ==).
 _params: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
-_compile_steps: dict[int, bool] = {}  # id(parameter) -> whether its model asked for compiled steps
+# id(parameter) -> (compile steps, reduce gradients on step), what its model asked for; an entry is
+# removed with its parameter (weakref.finalize), so a later tensor with the same id starts clean.
+_options: dict[int, tuple[bool, bool]] = {}
 _seen: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-_hook = None
+_reducing: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_hooks: list = []
 _SKIP = ("LBFGS", "SparseAdam")
 # The defining classes (never the torch.optim attributes, which accel.runtime.hooks may replace).
 _TORCH_ADAMS = (_TorchAdam, _TorchAdamW)
 
 
-def adopt_optimizers(model: torch.nn.Module, compile_steps: bool) -> None:
+def adopt_optimizers(model: torch.nn.Module, compile_steps: bool, reduce_gradients: bool = False) -> None:
     """Apply the module docstring's rules to optimizers built over `model`'s parameters."""
-    global _hook
     for p in model.parameters():
-        _params[id(p)] = p
-        _compile_steps[id(p)] = compile_steps
-    if _hook is None:
-        _hook = register_optimizer_step_pre_hook(_adopt)
+        if _params.get(id(p)) is not p:
+            _params[id(p)] = p
+            weakref.finalize(p, _options.pop, id(p), None)
+        _options[id(p)] = (compile_steps, reduce_gradients)
+    if not _hooks:
+        # Global hooks run in registration order: at an optimizer's first step _adopt decides, then
+        # _reduce_gradients already acts on that step.
+        _hooks.append(register_optimizer_step_pre_hook(_adopt))
+        _hooks.append(register_optimizer_step_pre_hook(_reduce_gradients))
 
 
 def has_compiled_step(optimizer: torch.optim.Optimizer) -> bool:
@@ -91,9 +102,23 @@ def _adopt(optimizer, args, kwargs):
         return None
     if any(p.grad is not None and p.grad.is_sparse for p in params):
         return None
+    options = [_options.get(id(p), (False, False)) for p in params]
+    if all(reduce for _, reduce in options):
+        from accel.xla.collectives import REDUCES_ON_STEP
+
+        _reducing.add(optimizer)
+        setattr(optimizer, REDUCES_ON_STEP, True)
     _switch_to_fused(optimizer, params)
-    wants_compile = all(_compile_steps.get(id(p)) for p in params)
+    wants_compile = all(compile_steps for compile_steps, _ in options)
     fused_on_cpu = uses_fused_kernel(optimizer) and all(p.device.type == "cpu" for p in params)
     if wants_compile and not fused_on_cpu and type(optimizer).__name__ not in _SKIP:
         optimizer.step = _CompiledStep(optimizer.step)
+    return None
+
+
+def _reduce_gradients(optimizer, args, kwargs):
+    if optimizer in _reducing and not torch.compiler.is_compiling():
+        from accel.xla.collectives import reduce_gradients
+
+        reduce_gradients(optimizer)
     return None

@@ -166,6 +166,11 @@ def fetch_gradients(optimizer) -> list[torch.Tensor]:
 _fetch_gradients = fetch_gradients
 
 
+# Set on an optimizer whose gradients accel already averages in a step pre-hook (accelerate() with several
+# ranks on xla, accel.compiler.optimizer); optimizer_step then leaves the reduction to that hook.
+REDUCES_ON_STEP = "_accel_reduces_gradients_on_step"
+
+
 def reduce_gradients(optimizer, groups=None, pin_layout: bool = True) -> None:
     """Replace every gradient by its mean over the replicas (of this worker's group)."""
     n = world_size()
@@ -187,7 +192,8 @@ def optimizer_step(optimizer, optimizer_args=None, barrier: bool = False, groups
         raise ValueError(f"optimizer_args must be a dict of keyword arguments, got {type(optimizer_args).__name__}")
     if not isinstance(barrier, bool):
         raise ValueError(f"barrier must be a bool, got {barrier!r}")
-    reduce_gradients(optimizer, groups=groups, pin_layout=pin_layout)
+    if not getattr(optimizer, REDUCES_ON_STEP, False):
+        reduce_gradients(optimizer, groups=groups, pin_layout=pin_layout)
     result = optimizer.step(**(optimizer_args or {}))
     if barrier:
         from accel.xla._closures import sync
