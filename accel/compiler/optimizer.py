@@ -17,7 +17,7 @@ accelerated model (anything else passes through untouched):
 
 3. On the xla backend with several ranks (accel.distributed), the gradients are averaged over the ranks at
    every step, before the update (one bucketed all-reduce, accel.xla.reduce_gradients): the usual
-   loop needs no xm.optimizer_step. accel.xla.optimizer_step sees the mark and does not reduce twice.
+   loop needs no xm.optimizer_step; accel.xla.optimizer_step (which reduces first) is not reduced twice.
 
 Not compiled: LBFGS-style closures that re-evaluate the model many times, sparse gradients. A scheduler that
 changes a float lr every step makes Dynamo recompile each time (and, past its cache limit, fall back to
@@ -104,10 +104,7 @@ def _adopt(optimizer, args, kwargs):
         return None
     options = [_options.get(id(p), (False, False)) for p in params]
     if all(reduce for _, reduce in options):
-        from accel.xla.collectives import REDUCES_ON_STEP
-
         _reducing.add(optimizer)
-        setattr(optimizer, REDUCES_ON_STEP, True)
     _switch_to_fused(optimizer, params)
     wants_compile = all(compile_steps for compile_steps, _ in options)
     fused_on_cpu = uses_fused_kernel(optimizer) and all(p.device.type == "cpu" for p in params)
@@ -118,7 +115,7 @@ def _adopt(optimizer, args, kwargs):
 
 def _reduce_gradients(optimizer, args, kwargs):
     if optimizer in _reducing and not torch.compiler.is_compiling():
-        from accel.xla.collectives import reduce_gradients
+        from accel.xla.collectives import reduce_gradients_once
 
-        reduce_gradients(optimizer)
+        reduce_gradients_once(optimizer)
     return None

@@ -166,9 +166,9 @@ def fetch_gradients(optimizer) -> list[torch.Tensor]:
 _fetch_gradients = fetch_gradients
 
 
-# Set on an optimizer whose gradients accel already averages in a step pre-hook (accelerate() with several
-# ranks on xla, accel.compiler.optimizer); optimizer_step then leaves the reduction to that hook.
-REDUCES_ON_STEP = "_accel_reduces_gradients_on_step"
+# Set on an optimizer by reduce_gradients until its next step: accelerate()'s step pre-hook (several ranks
+# on xla, accel.compiler.optimizer) then knows that optimizer_step, or the user, already reduced them.
+_REDUCED = "_accel_gradients_reduced"
 
 
 def reduce_gradients(optimizer, groups=None, pin_layout: bool = True) -> None:
@@ -177,8 +177,16 @@ def reduce_gradients(optimizer, groups=None, pin_layout: bool = True) -> None:
     if n > 1:
         count = _my_group_size(groups, n)
         all_reduce(REDUCE_SUM, fetch_gradients(optimizer), scale=1.0 / count, groups=groups, pin_layout=pin_layout)
+        optimizer.__dict__[_REDUCED] = True
     else:
         _check_optimizer(optimizer)
+
+
+def reduce_gradients_once(optimizer) -> None:
+    """At a step: average the gradients unless reduce_gradients already did since the last step."""
+    if not optimizer.__dict__.pop(_REDUCED, False):
+        reduce_gradients(optimizer)
+    optimizer.__dict__.pop(_REDUCED, None)
 
 
 def optimizer_step(optimizer, optimizer_args=None, barrier: bool = False, groups=None, pin_layout: bool = True):
@@ -192,8 +200,7 @@ def optimizer_step(optimizer, optimizer_args=None, barrier: bool = False, groups
         raise ValueError(f"optimizer_args must be a dict of keyword arguments, got {type(optimizer_args).__name__}")
     if not isinstance(barrier, bool):
         raise ValueError(f"barrier must be a bool, got {barrier!r}")
-    if not getattr(optimizer, REDUCES_ON_STEP, False):
-        reduce_gradients(optimizer, groups=groups, pin_layout=pin_layout)
+    reduce_gradients(optimizer, groups=groups, pin_layout=pin_layout)
     result = optimizer.step(**(optimizer_args or {}))
     if barrier:
         from accel.xla._closures import sync

@@ -26,12 +26,24 @@ STEPS = 3
 def full_state(model):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.cpu() for k, v in state.items()}
 
 
 def count_communication(model, counts):
     """Count gradient reductions: DDP through a comm hook, FSDP2 by wrapping the reduce-scatter it calls."""
     inner = getattr(model, "_orig_mod", model)
+    if next(model.parameters()).device.type == "xla":  # reduced at the optimizer step, not in backward
+        from accel.xla import collectives
+
+        original = collectives.all_reduce
+
+        def all_reduce(*args, **kwargs):
+            counts["reductions"] += 1
+            return original(*args, **kwargs)
+
+        collectives.all_reduce = all_reduce
+        return lambda: setattr(collectives, "all_reduce", original)
     if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -52,7 +64,8 @@ def count_communication(model, counts):
 
 
 def run(out_dir, mode):
-    config = accel.Config(backend="cpu")
+    backend = "xla" if mode.startswith("xla") else "cpu"
+    config = accel.Config(backend=backend)
     config.compute.compile = mode.endswith("compiled")
     if mode.startswith("fsdp"):
         config.dist.fsdp.size = 2
@@ -69,22 +82,28 @@ def run(out_dir, mode):
     for i, batch in enumerate(loader):
         if i == STEPS * micro:
             break
-        ids.extend(batch.pop("id").tolist())
+        ids.extend(batch.pop("id").cpu().tolist())
         before = counts["reductions"]
         with accel.accumulate(model, steps=micro):
             (model(**batch)["loss"] / micro).backward()
         per_micro_batch.append(counts["reductions"] - before)
         if (i + 1) % micro == 0:
-            optimizer.step()
+            if mode == "xla_optimizer_step":  # TorchAcc's call: must not reduce a second time
+                from accel.xla import optimizer_step
+
+                optimizer_step(optimizer)
+            else:
+                optimizer.step()
             optimizer.zero_grad()
     stop_counting()
+    total = counts["reductions"]
     epochs = []  # the shuffled loader: what each rank reads in two epochs
     shuffled = accel.accelerate(torch.nn.Linear(1, 1), DataLoader(Points(), batch_size=BATCH, shuffle=True),
-                                accel.Config(backend="cpu"))[1]
+                                accel.Config(backend=backend))[1]
     for _ in range(2):
-        epochs.append([i for batch in shuffled for i in batch["id"].tolist()])
+        epochs.append([i for batch in shuffled for i in batch["id"].cpu().tolist()])
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"ids": ids, "per_micro_batch": per_micro_batch, "epochs": epochs,
+    dist.all_gather_object(gathered, {"ids": ids, "per_micro_batch": per_micro_batch, "epochs": epochs, "reductions": total,
                                       "wrapper": type(getattr(model, "_orig_mod", model)).__name__})
     state = full_state(model)
     if dist.get_rank() == 0:

@@ -16,14 +16,27 @@ MODES = ("ddp", "ddp_compiled", "ddp_accumulate", "fsdp", "fsdp_named", "fsdp_ac
 WORLD = 2
 
 
+XLA_MODES = ("xla_dp", "xla_accumulate", "xla_optimizer_step")
+
+
+def _launch(out, modes):
+    run_python(["-m", "accel.launch", f"--nproc_per_node={WORLD}", f"--master_port={free_port()}", WORKER,
+                str(out), ",".join(modes)],
+               env_extra={"PJRT_DEVICE": "CPU"},
+               drop_env=("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "CPU_NUM_DEVICES"),
+               timeout=600)
+    return {mode: torch.load(out / f"{mode}.pt", weights_only=True) for mode in modes}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("accel_dist")
-    run_python(["-m", "accel.launch", f"--nproc_per_node={WORLD}", f"--master_port={free_port()}", WORKER,
-                str(out), ",".join(MODES)],
-               env_extra={"PJRT_DEVICE": "CPU"},
-               drop_env=("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"), timeout=600)
-    return {mode: torch.load(out / f"{mode}.pt", weights_only=True) for mode in MODES}
+    return _launch(tmp_path_factory.mktemp("accel_dist"), MODES)
+
+
+@pytest.fixture(scope="module")
+def xla_runs(tmp_path_factory):
+    pytest.importorskip("torch_xla", reason="the xla backend needs torch_xla")
+    return _launch(tmp_path_factory.mktemp("accel_dist_xla"), XLA_MODES)
 
 
 def reference_state(micro: int) -> dict:
@@ -49,6 +62,18 @@ def test_same_weights_as_one_process_on_the_concatenated_batches(runs, mode):
     assert list(got) == list(expected)  # the user's model's keys, not the wrapper's
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=2e-5, atol=2e-6, msg=f"{mode}: {key}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", XLA_MODES)
+def test_xla_data_parallel_averages_once_per_step(xla_runs, mode):
+    # Gradients averaged over the xla group in one all-reduce per optimizer step, from the step pre-hook,
+    # also when the loop calls accel.xla.optimizer_step (which then does not reduce again).
+    got = xla_runs[mode]["state"]
+    expected = reference_state(MICRO if "accumulate" in mode else 1)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=2e-5, atol=2e-6, msg=f"{mode}: {key}")
+    assert all(r["reductions"] == STEPS and r["wrapper"] == "TinyNet" for r in xla_runs[mode]["ranks"])
 
 
 @pytest.mark.slow
