@@ -14,21 +14,41 @@ Or by class name. block_classes={"BertLayer"} takes every module of those classe
 matches only: a match nested inside another match is not wrapped twice), in model order.
 count=N checkpoints only the first N blocks (TorchAcc's gc_cnt), with or without class names.
 
-Wrapping. Each block's `forward` is replaced on the instance (the class is untouched), so module
-names, hooks and state_dict keys stay exactly as they were and a state_dict saved before loads after.
-The wrapped forward runs the block under activation checkpointing when the block is training and
-grad is enabled -- torch.utils.checkpoint (use_reentrant=False, RNG state preserved, so dropout
-masks are replayed exactly) for CPU/CUDA inputs, torch_xla.utils.checkpoint for XLA inputs, decided
-per call from the inputs' device -- and runs it plainly under eval() or torch.no_grad().
+Wrapping. Each block's class is swapped for a subclass of it, made once per class, with the same
+name, qualified name and module and a `forward` that checkpoints. The module tree is untouched:
+module names, hooks and state_dict keys stay exactly as they were, so state_dicts load between wrapped
+and unwrapped models either way. As the checkpointing lives in the class, not in a method bound to the
+instance, the whole model pickles (torch.save(model) too: a block is stored as its own class and
+rebuilt with the subclass on load), deep-copies, and nn.DataParallel's replicas checkpoint and run on
+themselves. isinstance(block, ItsClass) still holds; `type(block) is ItsClass` does not. A `forward`
+set on the instance before is kept and run inside the checkpoint.
+The forward runs the block under activation checkpointing when the block is training and grad is
+enabled -- torch.utils.checkpoint (use_reentrant=False, RNG state preserved, so dropout masks are
+replayed exactly) for CPU/CUDA inputs, torch_xla.utils.checkpoint for XLA inputs, decided per call
+from the inputs' device -- and runs it plainly under eval() or torch.no_grad().
 Calling auto_checkpoint again re-plans without wrapping twice.
+
+Side effects happen once. The recomputation in backward runs the block's forward again, which would
+update BatchNorm's running statistics (any buffer its forward updates) a second time. So every buffer
+of a checkpointed block is copied before its forward (the copies live until its backward, and count
+in the budget's bytes); the recomputation runs on fresh copies of those values -- it sees what the
+forward saw, so it computes the same outputs, and it updates only the copies -- and afterwards the
+block's buffers are the very tensors they were, whether the forward updated them in place or rebound
+them. Plain attributes the recomputation rebinds (a call counter, a cached tensor) are put back after
+it too, but it reads them as they are at backward time. Not covered: in-place changes to parameters,
+to objects held in attributes (lists, dicts) or to global state.
+Under torch.compile, when dynamo traces a block whole, the recomputation is part of the compiled
+backward and AOTAutograd applies the buffer updates once, after the forward graph. A block whose
+forward graph-breaks falls back to eager checkpointing around compiled pieces, chosen while tracing,
+without the copies: its buffers are updated again by the recomputation.
 
 Memory budget (bytes of saved activations of one training forward). Which blocks to checkpoint is
 decided by dry runs of the forward (forwards only: no backward, no optimizer): a discarded warm-up,
 one with every block checkpointed (the least memory), one with all but one (the cost of one plain
 block), then the plan -- the first blocks checkpointed, the rest plain -- is checked by a further run
 and tightened if it does not fit. Bytes are counted with torch.autograd.graph.saved_tensors_hooks
-(distinct storages saved for backward, parameters and buffers excluded, plus the inputs a
-checkpointed block keeps for its recomputation); on CUDA they are the peak of
+(distinct storages saved for backward, parameters and buffers excluded, plus the inputs and buffer
+copies a checkpointed block keeps for its recomputation); on CUDA they are the peak of
 torch.cuda.max_memory_allocated over the forward, above what was allocated before (this resets the
 device's peak-memory statistic).
 The dry runs need inputs:
@@ -62,8 +82,6 @@ __all__ = ["auto_checkpoint", "remove_checkpoint", "checkpoint_plan", "find_repe
            "find_blocks_by_class", "activation_bytes", "CheckpointPlan"]
 
 _PLAN_ATTR = "_accel_checkpoint_plan"
-_ORIG_ATTR = "_accel_ckpt_forward"   # the forward we replaced: None means the class's own
-_ON_ATTR = "_accel_ckpt_on"          # whether this block checkpoints now
 
 
 @dataclass
@@ -133,7 +151,101 @@ def find_blocks_by_class(model: nn.Module, class_names) -> list[tuple[str, nn.Mo
 
 
 # ---------------------------------------------------------------------------------------------
-# the wrapped forward
+# the checkpointing class of a block
+
+_ORIG_ATTR = "_accel_ckpt_forward"   # an instance forward the block had before: None means the class's own
+_ON_ATTR = "_accel_ckpt_on"          # whether this block checkpoints now
+_CLASSES: dict[type, type] = {}      # a block's own class -> its checkpointing subclass (one per class)
+
+
+class _Checkpointed:
+    """Put in front of a block's class by _checkpointing_class. The checkpointing lives in the class,
+    not in a bound method on the instance, so pickling, deepcopy and nn.DataParallel's replicas (new
+    instances sharing the class) keep it and run it on themselves. No __slots__ here, not even empty
+    ones: they would make the subclass's layout differ from the block's, and __class__ assignment fail."""
+
+    def __reduce_ex__(self, protocol):
+        # Pickle by the block's own class (importable by name) and rebuild the subclass on load.
+        rv = super().__reduce_ex__(protocol)
+        cls = type(self)
+        if isinstance(rv, str) or "_accel_ckpt_base" not in cls.__dict__:
+            return rv  # a class made on top of ours (e.g. FSDP2's) is pickled, or not, its own way
+        base = cls._accel_ckpt_base
+        fn, args, *rest = rv
+        return (_rebuild_checkpointed, (fn, tuple(base if a is cls else a for a in args)), *rest)
+
+
+def _rebuild_checkpointed(fn, args):
+    obj = fn(*args)
+    obj.__class__ = _checkpointing_class(type(obj))
+    return obj
+
+
+def _checkpointing_class(base: type) -> type:
+    """The subclass of `base` whose forward checkpoints. Same name, qualname and module as `base`, so
+    class-name lookups (block_classes, repr, transformers' no-split lists) see no difference."""
+    if issubclass(base, _Checkpointed):
+        return base
+    cls = _CLASSES.get(base)
+    if cls is not None:
+        return cls
+
+    def forward(self, *args, **kwargs):
+        return _checkpointed_forward(self, args, kwargs)
+
+    functools.update_wrapper(forward, base.forward)  # inspect.signature(block.forward) stays the block's
+    namespace = {"__slots__": (), "__module__": base.__module__, "__qualname__": base.__qualname__,
+                 "__doc__": base.__doc__, "_accel_ckpt_base": base, "forward": forward}
+    return _CLASSES.setdefault(base, type(base)(base.__name__, (_Checkpointed, base), namespace))
+
+
+class _OwnMethod:
+    """An instance forward that was a method bound to the block itself, kept unbound so that a
+    replica or a copy calls it on itself rather than on the block it came from."""
+
+    __slots__ = ("func",)
+
+    def __init__(self, func):
+        self.func = func
+
+    def __getstate__(self):
+        return self.func
+
+    def __setstate__(self, func):
+        self.func = func
+
+
+def _install(block: nn.Module) -> None:
+    if isinstance(block, _Checkpointed):
+        return  # already wrapped: never wrap twice
+    # An instance forward would shadow the class's: keep it aside and call it from there.
+    own = block.__dict__.pop("forward", None)
+    if isinstance(own, types.MethodType) and own.__self__ is block:
+        own = _OwnMethod(own.__func__)
+    object.__setattr__(block, _ORIG_ATTR, own)
+    object.__setattr__(block, _ON_ATTR, False)
+    block.__class__ = _checkpointing_class(type(block))
+
+
+def _uninstall(block: nn.Module) -> None:
+    if not isinstance(block, _Checkpointed):
+        return
+    if "_accel_ckpt_base" not in type(block).__dict__:
+        # Another library put its own subclass on top of ours (FSDP2 does): keep that class, and only
+        # turn checkpointing off.
+        object.__setattr__(block, _ON_ATTR, False)
+        return
+    block.__class__ = type(block)._accel_ckpt_base
+    own = block.__dict__.pop(_ORIG_ATTR, None)
+    block.__dict__.pop(_ON_ATTR, None)
+    if isinstance(own, _OwnMethod):
+        own = types.MethodType(own.func, block)
+    if own is not None:
+        object.__setattr__(block, "forward", own)
+
+
+# ---------------------------------------------------------------------------------------------
+# the checkpointed forward
 
 def _tensors(args, kwargs):
     for v in list(args) + list(kwargs.values()):
@@ -142,27 +254,103 @@ def _tensors(args, kwargs):
 
 
 def _run_original(block: nn.Module, *args, **kwargs):
-    orig = block.__dict__[_ORIG_ATTR]
-    if orig is None:
-        return type(block).forward(block, *args, **kwargs)
-    return orig(*args, **kwargs)
+    own = block.__dict__.get(_ORIG_ATTR)
+    if own is None:
+        return super(_Checkpointed, block).forward(*args, **kwargs)
+    if isinstance(own, _OwnMethod):
+        return own.func(block, *args, **kwargs)
+    return own(*args, **kwargs)
 
 
-def _checkpointed_forward(self: nn.Module, *args, **kwargs):
-    if not (self.__dict__.get(_ON_ATTR) and self.training and torch.is_grad_enabled()):
-        return _run_original(self, *args, **kwargs)
+def _checkpointed_forward(block: nn.Module, args: tuple, kwargs: dict):
+    if not (block.__dict__.get(_ON_ATTR) and block.training and torch.is_grad_enabled()):
+        return _run_original(block, *args, **kwargs)
     meter = _Meter.active
     if meter is not None:  # a dry run: the inputs stay alive for the recomputation
         for t in _tensors(args, kwargs):
             meter.add(t)
+    run = functools.partial(_run_original, block)
+    if not torch.compiler.is_compiling():
+        # Compiled, the recomputation is part of the backward graph and AOTAutograd applies the
+        # forward's buffer updates once, after the forward graph: nothing to replay, and Python state
+        # changed inside the checkpointed region would break dynamo's tracing of it.
+        run = _SideEffectsOnce(block, run)
     device = next((t.device for t in _tensors(args, kwargs)), None)
     if device is not None and device.type == "xla":
-        return _xla_checkpoint(self, args, kwargs, device)
-    return torch.utils.checkpoint.checkpoint(functools.partial(_run_original, self), *args,
-                                             use_reentrant=False, **kwargs)
+        return _xla_checkpoint(run, args, kwargs, device)
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
-def _xla_checkpoint(block, args, kwargs, device):
+class _SideEffectsOnce:
+    """The block's forward as handed to a checkpoint function, which calls it once for the forward and
+    again for each recomputation in backward. The recomputations must leave no trace: before the first
+    call it copies every buffer of the block (BatchNorm's running statistics, counters, whatever the
+    forward updates, in place or by rebinding); a recomputation runs on fresh copies of those values,
+    so it computes exactly what the forward computed and updates only the copies, and afterwards the
+    buffers are the tensors they were, and plain attributes the recomputation rebound are put back.
+    Dropout is replayed by the checkpoint's own RNG preservation."""
+
+    __slots__ = ("block", "fn", "saved")
+
+    def __init__(self, block: nn.Module, fn):
+        self.block, self.fn = block, fn
+        self.saved: list | None = None  # [(module, buffer name, its value before the forward)]
+
+    def __call__(self, *args, **kwargs):
+        if self.saved is None:
+            self.saved = _copy_buffers(self.block)
+            return self.fn(*args, **kwargs)
+        with _recomputing(self.block, self.saved):
+            return self.fn(*args, **kwargs)
+
+
+def _copy_buffers(block: nn.Module) -> list:
+    copies: dict[int, torch.Tensor] = {}  # a tensor held under several names is copied once
+    saved = []
+    meter = _Meter.active
+    with torch.no_grad():
+        for module in block.modules():
+            for name, b in module.named_buffers(recurse=False):
+                c = copies.get(id(b))
+                if c is None:
+                    c = copies[id(b)] = b.detach().clone()
+                    if meter is not None:  # kept until backward, like the inputs
+                        meter.add(c)
+                saved.append((module, name, c))
+    return saved
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _recomputing(block: nn.Module, saved: list):
+    # Attributes are not swapped back to their forward-time values for the recomputation: hooks of
+    # other libraries keep their own bookkeeping there and expect to see it as it is now.
+    attrs = [(m, dict(m.__dict__)) for m in block.modules()]
+    now = [(m, name, getattr(m, name)) for m, name, _ in saved]
+    fresh: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for m, name, c in saved:
+            t = fresh.get(id(c))
+            if t is None:  # a fresh copy each time: a second backward recomputes from the same values
+                t = fresh[id(c)] = c.clone()
+            setattr(m, name, t)
+    try:
+        yield
+    finally:
+        for m, name, b in now:
+            setattr(m, name, b)
+        for m, before in attrs:
+            d = m.__dict__
+            for k in [k for k in d if k not in before]:
+                del d[k]
+            for k, v in before.items():
+                if d.get(k, _MISSING) is not v:
+                    d[k] = v
+
+
+def _xla_checkpoint(run, args, kwargs, device):
     """torch_xla's checkpoint is reentrant and positional only: flatten kwargs into the positional
     inputs, and add a grad-requiring dummy when no input requires grad (a reentrant checkpoint
     would otherwise return an output detached from the block's parameters)."""
@@ -174,32 +362,13 @@ def _xla_checkpoint(block, args, kwargs, device):
     names = list(kwargs)
     n_args = len(args)
 
-    def run(*flat):
-        return _run_original(block, *flat[:n_args], **dict(zip(names, flat[n_args:n_args + len(names)])))
+    def flat_run(*flat):
+        return run(*flat[:n_args], **dict(zip(names, flat[n_args:n_args + len(names)])))
 
     flat = list(args) + [kwargs[k] for k in names]
     if not any(t.requires_grad for t in _tensors(flat, {})):
         flat.append(torch.zeros((), device=device, requires_grad=True))
-    return xla_checkpoint(run, *flat)
-
-
-def _install(block: nn.Module) -> None:
-    if _ORIG_ATTR in block.__dict__:
-        return  # already wrapped: never wrap twice
-    object.__setattr__(block, _ORIG_ATTR, block.__dict__.get("forward"))
-    object.__setattr__(block, _ON_ATTR, False)
-    object.__setattr__(block, "forward", types.MethodType(_checkpointed_forward, block))
-
-
-def _uninstall(block: nn.Module) -> None:
-    if _ORIG_ATTR not in block.__dict__:
-        return
-    orig = block.__dict__.pop(_ORIG_ATTR)
-    block.__dict__.pop(_ON_ATTR, None)
-    if orig is None:
-        block.__dict__.pop("forward", None)
-    else:
-        object.__setattr__(block, "forward", orig)
+    return xla_checkpoint(flat_run, *flat)
 
 
 def _set_checkpointed(model: nn.Module, plan: CheckpointPlan, names) -> None:

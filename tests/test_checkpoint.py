@@ -1,11 +1,16 @@
-"""accel.auto_checkpoint against the unwrapped model: same outputs, gradients, state_dict keys;
-fewer saved activations (checked against hand-counted bytes); budget plans; undo; XLA."""
+"""accel.auto_checkpoint against the unwrapped model: same outputs, gradients, state_dict keys, and
+buffers (side effects of a block's forward happen once); fewer saved activations (checked against
+hand-counted bytes); budget plans; undo; pickling, copies and DataParallel replicas; XLA."""
 import copy
 import functools
+import inspect
 import io
+import itertools
 import os
+import pickle
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -333,6 +338,16 @@ assert list(counts.values()) == [2, 2], counts  # forward + recomputation
 torch.testing.assert_close(out.cpu(), ref_out, rtol=1e-5, atol=1e-6)
 for (name, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
     torch.testing.assert_close(p.grad.cpu(), rp.grad, rtol=1e-5, atol=1e-6, msg=name)
+# BatchNorm blocks: the reentrant recomputation leaves the running statistics as one plain step does
+plain = mlp(n=2, norm=True).to(device)
+model = auto_checkpoint(copy.deepcopy(plain))
+for m in (plain, model):
+    m(x.to(device)).pow(2).sum().backward()
+    torch_xla.sync()
+for (name, b), (_, pb) in zip(model.named_buffers(), plain.named_buffers()):
+    torch.testing.assert_close(b.cpu(), pb.cpu(), rtol=0, atol=0, msg=name)
+for (name, p), (_, pp) in zip(model.named_parameters(), plain.named_parameters()):
+    torch.testing.assert_close(p.grad.cpu(), pp.grad.cpu(), rtol=1e-5, atol=1e-6, msg=name)
 print("xla-ok")
 """
 
@@ -552,3 +567,249 @@ def test_cuda_budget_plan_restores_cuda_rng_and_fits():
     assert torch.equal(torch.cuda.get_rng_state(device), cuda_rng) and torch.equal(torch.get_rng_state(), cpu_rng)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, stats[name], rtol=0, atol=0, msg=name)
+
+
+# --------------------------------------------------------------------------- side effects happen once
+
+def _buffers(model):
+    return {name: b.clone() for name, b in model.named_buffers()}
+
+
+def _assert_same_step(ref, model, make_input, steps=2, loss=lambda out: out.pow(2).sum(), seed=11):
+    """Train-mode steps (forward + backward) of both models on the same inputs and RNG: the same outputs,
+    input and parameter gradients and buffers, bit for bit where the arithmetic is the same."""
+    for step in range(steps):
+        x = make_input(step)
+        outs, x_grads = [], []
+        for m in (ref, model):
+            xi = x.detach().clone().requires_grad_()
+            torch.manual_seed(seed + step)
+            out = m(xi)
+            loss(out).backward()
+            outs.append(out.detach())
+            x_grads.append(xi.grad)
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+        torch.testing.assert_close(x_grads[1], x_grads[0], rtol=1e-6, atol=1e-7)
+        g_ref, g = grads(ref), grads(model)
+        assert g.keys() == g_ref.keys()
+        for name in g_ref:
+            torch.testing.assert_close(g[name], g_ref[name], rtol=1e-6, atol=1e-7, msg=name)
+        b_ref, b = _buffers(ref), _buffers(model)
+        assert b.keys() == b_ref.keys()
+        for name in b_ref:
+            torch.testing.assert_close(b[name], b_ref[name], rtol=0, atol=0, msg=name)
+
+
+def test_batchnorm_statistics_are_updated_once_per_step():
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(3)])
+    model = auto_checkpoint(copy.deepcopy(ref))
+    counts, _ = count_calls([blk[0] for blk in model])
+    _assert_same_step(ref, model, lambda step: torch.randn(4, 8), steps=3)
+    assert list(counts.values()) == [6, 6, 6]  # still recomputed: forward + recomputation, 3 steps
+    assert [int(blk[1].num_batches_tracked) for blk in model] == [3, 3, 3]
+
+
+def test_dropout_and_batchnorm_blocks_match_the_unwrapped_model():
+    ref = mlp(dropout=0.3, norm=True)
+    model = auto_checkpoint(copy.deepcopy(ref))
+    _assert_same_step(ref, model, lambda step: torch.randn(B, D), steps=2)
+
+
+class _Scale(nn.Module):
+    """Updates its buffer in place before reading it: the recomputation must see the value the forward
+    saw (the output, hence the gradients, depend on it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x):
+        self.scale.mul_(1.5)
+        return x * self.scale
+
+
+class _Tally(nn.Module):
+    """Rebinds its buffer (a new tensor each call) and a plain Python attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+        self.calls = 0
+
+    def forward(self, x):
+        self.seen = self.seen + 1
+        self.calls += 1
+        return x * (1 + self.seen)
+
+
+class _StatefulBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.scale = _Scale()
+        self.tally = _Tally()
+
+    def forward(self, x):
+        return self.tally(self.scale(torch.tanh(self.fc(x))))
+
+
+def test_buffers_updated_in_place_or_rebound_and_python_attributes_change_once():
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[_StatefulBlock() for _ in range(3)])
+    model = auto_checkpoint(copy.deepcopy(ref))
+    seen_objects = [blk.tally.seen for blk in model]
+    _assert_same_step(ref, model, lambda step: torch.randn(B, D), steps=2)
+    for blk in model:
+        assert float(blk.scale.scale) == 1.5 ** 2 and float(blk.tally.seen) == 2
+        assert blk.tally.calls == 2  # the recomputation's increments are undone
+    assert all(blk.tally.seen is not old for blk, old in zip(model, seen_objects))
+
+
+def test_block_called_twice_per_forward_and_backward_run_twice():
+    """A shared block (called twice in one forward) is recomputed once per call, each time from the
+    buffers its own call saw; a retained graph recomputed by a second backward changes nothing more."""
+    torch.manual_seed(0)
+    blocks = [MLPBlock(norm=True), MLPBlock(norm=True)]
+    ref = nn.Sequential(blocks[0], blocks[1], blocks[0])
+    model = copy.deepcopy(ref)
+    auto_checkpoint(model, block_classes={"MLPBlock"})
+    assert checkpoint_plan(model).blocks == ["0", "1"]  # the shared block is one module
+    _assert_same_step(ref, model, lambda step: torch.randn(B, D), steps=2)
+    x = torch.randn(B, D)
+    for m in (ref, model):
+        out = m(x).square().sum()
+        out.backward(retain_graph=True)
+        out.backward()
+    for name, g in grads(ref).items():
+        torch.testing.assert_close(grads(model)[name], g, rtol=1e-6, atol=1e-6, msg=name)
+    for name, b in _buffers(ref).items():
+        torch.testing.assert_close(_buffers(model)[name], b, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_compiled_batchnorm_blocks_update_statistics_once():
+    """Under torch.compile the recomputation is part of the compiled backward, and AOTAutograd applies
+    the buffer updates once, after the forward graph."""
+    torch._dynamo.reset()
+    ref = mlp(n=3, norm=True)
+    model = auto_checkpoint(copy.deepcopy(ref))
+    compiled = torch.compile(model)
+    for step in range(2):
+        x = torch.randn(B, D)
+        out_ref, out = ref(x), compiled(x)
+        out_ref.pow(2).sum().backward()
+        out.pow(2).sum().backward()
+        torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-6)
+    for name, g in grads(ref).items():
+        torch.testing.assert_close(grads(model)[name], g, rtol=1e-4, atol=1e-5, msg=name)
+    for name, b in _buffers(ref).items():
+        torch.testing.assert_close(_buffers(model)[name], b, rtol=1e-5, atol=1e-6, msg=name)
+    assert [int(blk.norm.num_batches_tracked) for blk in model] == [2, 2, 2]
+
+
+# --------------------------------------------------------------------------- pickling, copies, replicas
+
+def _checkpoints_like(ref, model):
+    """One step of `model` recomputes every block (two fc1 calls each) and matches `ref`."""
+    counts, handles = count_calls([blk.fc1 for blk in model])
+    _assert_same_step(ref, model, lambda step: torch.randn(B, D), steps=1)
+    for h in handles:
+        h.remove()
+    assert list(counts.values()) == [2] * len(model)
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy"])
+def test_whole_model_saved_or_copied_keeps_checkpointing(how, monkeypatch):
+    ref = mlp(dropout=0.2, norm=True)
+    model = auto_checkpoint(copy.deepcopy(ref))
+    if how == "pickle":
+        data = pickle.dumps(model)
+        monkeypatch.setattr(checkpoint_module, "_CLASSES", {})  # as in a fresh process
+        clone = pickle.loads(data)
+    elif how == "torch.save":
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        clone = torch.load(buf, weights_only=False)
+    else:
+        clone = copy.deepcopy(model)
+    assert all(type(blk).__name__ == "MLPBlock" and isinstance(blk, MLPBlock) for blk in clone)
+    assert list(clone.state_dict()) == list(ref.state_dict())
+    assert checkpoint_plan(clone).checkpointed == checkpoint_plan(model).checkpointed
+    _checkpoints_like(copy.deepcopy(ref), clone)
+    _checkpoints_like(ref, model)  # the original is unaffected by its copy's steps
+    remove_checkpoint(clone)
+    assert all(type(blk) is MLPBlock for blk in clone)
+
+
+def _replicate(model):
+    """What torch.nn.parallel.replicate does to a module tree, on the CPU: _replicate_for_data_parallel
+    of every module, children relinked, parameters replaced by copies (broadcasts on a GPU)."""
+    replicas = {m: m._replicate_for_data_parallel() for m in model.modules()}
+    for m, r in replicas.items():
+        for name, child in m._modules.items():
+            r._modules[name] = replicas[child]
+        for name, p in m._parameters.items():
+            r._parameters[name] = p.detach().clone().requires_grad_()
+    return replicas[model]
+
+
+def test_data_parallel_replicas_checkpoint_themselves():
+    ref = mlp(norm=True)
+    model = auto_checkpoint(copy.deepcopy(ref))
+    replica = _replicate(model)
+    with torch.no_grad():
+        for p in itertools.chain(replica.parameters(), ref.parameters()):
+            p.mul_(1.25)  # the replica's own weights, not the module it was made from
+    calls = []
+    handles = [m.register_forward_hook(lambda mod, *_: calls.append(mod)) for m in (blk.fc1 for blk in replica)]
+    x = torch.randn(B, D)
+    out = replica(x)
+    out.sum().backward()
+    for h in handles:
+        h.remove()
+    ref_out = ref(x)
+    ref_out.sum().backward()
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    fc1s = [blk.fc1 for blk in replica]
+    assert calls[:N] == fc1s and calls[N:] == fc1s[::-1]  # the forward, then recomputations in backward
+    assert all(p.grad is None for p in model.parameters())
+    for (name, p), (_, rp) in zip(replica.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, rp.grad, msg=name)
+
+
+def test_wrapped_blocks_keep_their_class_name_signature_and_instance_forward():
+    model = mlp(n=3)
+    calls = []
+
+    def traced_forward(self, x):
+        calls.append(self)
+        return MLPBlock.forward(self, x)
+
+    model[1].forward = types.MethodType(traced_forward, model[1])
+    auto_checkpoint(model)
+    assert [type(blk).__name__ for blk in model] == ["MLPBlock"] * 3
+    assert inspect.signature(model[0].forward) == inspect.signature(MLPBlock().forward)
+    assert "forward" not in model[1].__dict__
+    model(torch.randn(B, D)).sum().backward()
+    assert calls == [model[1], model[1]]  # its own forward, under checkpointing
+    replica = _replicate(model)
+    replica(torch.randn(B, D)).sum().backward()
+    assert calls[2:] == [replica[1], replica[1]]  # bound to the replica, not the original
+    remove_checkpoint(model)
+    assert model[1].forward.__func__ is traced_forward and model[1].forward.__self__ is model[1]
+    assert all(type(blk) is MLPBlock for blk in model)
+
+
+def test_undo_under_a_subclass_another_library_put_on_top_keeps_that_class():
+    """FSDP2's fully_shard swaps a module's class for a subclass of the one it has: undoing then keeps
+    that class (and with it ours) and only stops checkpointing."""
+    model = auto_checkpoint(mlp(n=2))
+    outer = type("FSDPMLPBlock", (type(model[0]),), {})
+    model[0].__class__ = outer
+    remove_checkpoint(model)
+    assert type(model[0]) is outer and type(model[1]) is MLPBlock
+    counts, _ = count_calls([blk.fc1 for blk in model])
+    model(torch.randn(B, D)).sum().backward()
+    assert list(counts.values()) == [1, 1]
