@@ -89,6 +89,8 @@ BERT_S=$(budget 330 60)
 step bert_base "$BERT_S" "$PY" benchmarks/bert_base.py --workload both --fixed-sizes 32x128,256x128,64x512 \
   --budget-s $(( BERT_S > 160 ? BERT_S - 100 : 60 ))
 collect_results
+step multi_stream "$(budget 60 60)" "$PY" benchmarks/multi_stream.py
+collect_results
 step kernels "$(budget 90 0)" "$PY" benchmarks/kernels.py --device cuda
 collect_results
 

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .syncfree._functional import skip_mask
+
 
 _MISSING = object()
 
@@ -55,16 +57,9 @@ def guarded_step(optimizer: torch.optim.Optimizer, found_inf: Tensor, *args: Any
     retval = optimizer.step(*args, **kwargs)
 
     skips: dict = {}
-
-    def skip_on(device: torch.device) -> Tensor:
-        key = str(device)
-        if key not in skips:
-            skips[key] = found_inf.to(device=device, non_blocking=True) != 0
-        return skips[key]
-
     with torch.no_grad():
         for p, old in zip(params, old_params):
-            p.copy_(torch.where(skip_on(p.device), old, p))
+            p.copy_(torch.where(skip_mask(found_inf, p.device, skips), old, p))
         irregular = []  # entries the step replaced, added or retyped: no select can undo those
         for p, olds in zip(params, old_state):
             state = optimizer.state[p]
@@ -75,7 +70,7 @@ def guarded_step(optimizer: torch.optim.Optimizer, found_inf: Tensor, *args: Any
                     and isinstance(new, Tensor)
                     and (new.shape, new.dtype, new.device) == (old.shape, old.dtype, old.device)
                 ):
-                    new.copy_(torch.where(skip_on(new.device), old, new))
+                    new.copy_(torch.where(skip_mask(found_inf, new.device, skips), old, new))
                 elif old is not new:
                     irregular.append((state, key, old))
         if irregular and found_inf.item() != 0:

@@ -25,12 +25,16 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
+from accel.utils import checks
 from accel.utils.xla import require_xla
 
 from ._guarded_step import guarded_step
 from ._scale_update import update_scale_
 
 __all__ = ["GradScaler", "OptState"]
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class OptState(Enum):
@@ -41,6 +45,19 @@ class OptState(Enum):
 
 def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf": None}
+
+
+def _check_scale(name: str, value) -> float:
+    # The scale is held in float32: a larger finite double would become inf there.
+    return checks.check_float(name, value, min=0.0, max=_FLOAT32_MAX, min_inclusive=False)
+
+
+def _check_growth_factor(name: str, value) -> float:
+    return checks.check_float(name, value, min=1.0, min_inclusive=False)
+
+
+def _check_backoff_factor(name: str, value) -> float:
+    return checks.check_float(name, value, min=0.0, max=1.0, min_inclusive=False, max_inclusive=False)
 
 
 def _distributed_world_size() -> int:
@@ -55,11 +72,14 @@ class GradScaler:
     Args:
         device: "xla", "cuda", "cpu" or None (default): None takes the device of the first
             tensor passed to :meth:`scale`. As in torch, "cuda" without CUDA warns and disables.
-        init_scale: initial scale factor (> 0).
-        growth_factor: multiplies the scale after ``growth_interval`` clean steps (> 1).
+        init_scale: initial scale factor (a finite float > 0, within float32's range).
+        growth_factor: multiplies the scale after ``growth_interval`` clean steps (finite, > 1).
         backoff_factor: multiplies the scale after a step with inf/NaN gradients (in (0, 1)).
-        growth_interval: clean steps needed before the scale grows (positive int).
-        enabled: False makes every method a pass-through, as in torch.
+        growth_interval: clean steps needed before the scale grows (an int >= 1).
+        enabled: False makes every method a pass-through, as in torch (a bool).
+
+    Arguments are checked by accel.utils.checks' rule: TypeError for a wrong type (bools are
+    not numbers), ValueError for a value out of range (NaN included), naming the argument.
     """
 
     def __init__(
@@ -75,21 +95,18 @@ class GradScaler:
             if isinstance(device, torch.device):
                 device = device.type
             if not isinstance(device, str):
-                raise ValueError(f"device: expected None or a device type such as 'xla', 'cuda', 'cpu', got {device!r}")
+                raise TypeError(f"device: expected None or a device type such as 'xla', 'cuda', 'cpu', got {device!r}")
             try:
                 device = torch.device(device).type
             except RuntimeError as e:
                 raise ValueError(f"device: expected a device type such as 'xla', 'cuda', 'cpu', got {device!r}") from e
-        if not isinstance(init_scale, (int, float)) or not init_scale > 0:
-            raise ValueError(f"init_scale: expected a positive float, got {init_scale!r}")
-        if not isinstance(growth_factor, (int, float)) or not growth_factor > 1.0:
-            raise ValueError(f"growth_factor: expected a float > 1.0, got {growth_factor!r}")
-        if not isinstance(backoff_factor, (int, float)) or not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor: expected a float in (0, 1), got {backoff_factor!r}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"growth_interval: expected a positive int, got {growth_interval!r}")
-        if not isinstance(enabled, bool):
-            raise ValueError(f"enabled: expected a bool, got {enabled!r}")
+        # Stricter than torch.amp.GradScaler, which takes init_scale=True, nan or -1 and any
+        # growth_interval: each of those breaks the scale on the first update.
+        init_scale = _check_scale("init_scale", init_scale)
+        growth_factor = _check_growth_factor("growth_factor", growth_factor)
+        backoff_factor = _check_backoff_factor("backoff_factor", backoff_factor)
+        growth_interval = checks.check_int("growth_interval", growth_interval, min=1)
+        checks.check_bool("enabled", enabled)
 
         self._device = device
         self._enabled = enabled
@@ -99,9 +116,9 @@ class GradScaler:
         if device == "xla" and enabled:
             require_xla("GradScaler(device='xla')")
 
-        self._init_scale = float(init_scale)
-        self._growth_factor = float(growth_factor)
-        self._backoff_factor = float(backoff_factor)
+        self._init_scale = init_scale
+        self._growth_factor = growth_factor
+        self._backoff_factor = backoff_factor
         self._growth_interval = growth_interval
         self._init_growth_tracker = 0
         self._scale: Optional[Tensor] = None
@@ -262,13 +279,13 @@ class GradScaler:
         scale, tracker = self._require_scale("update")
         if new_scale is not None:
             if isinstance(new_scale, Tensor):
-                if new_scale.numel() != 1 or new_scale.requires_grad:
-                    raise ValueError("new_scale: expected a float or a 1-element tensor with requires_grad=False")
+                # Its value is not checked: reading it would wait for the device.
+                checks.check_one_element_tensor("new_scale", new_scale)
+                if new_scale.requires_grad:
+                    raise ValueError("new_scale: expected a tensor with requires_grad=False")
                 scale.copy_(new_scale.reshape(()).to(device=scale.device, dtype=scale.dtype))
-            elif isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
-                scale.fill_(float(new_scale))
             else:
-                raise ValueError(f"new_scale: expected a float or a 1-element tensor, got {new_scale!r}")
+                scale.fill_(_check_scale("new_scale", new_scale))
         else:
             found = [s["found_inf"] for s in self._per_optimizer_states.values() if s["found_inf"] is not None]
             if not found:
@@ -295,25 +312,19 @@ class GradScaler:
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        if not isinstance(new_factor, (int, float)) or not new_factor > 1.0:
-            raise ValueError(f"new_factor: expected a float > 1.0, got {new_factor!r}")
-        self._growth_factor = float(new_factor)
+        self._growth_factor = _check_growth_factor("new_factor", new_factor)
 
     def get_backoff_factor(self) -> float:
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        if not isinstance(new_factor, (int, float)) or not 0.0 < new_factor < 1.0:
-            raise ValueError(f"new_factor: expected a float in (0, 1), got {new_factor!r}")
-        self._backoff_factor = float(new_factor)
+        self._backoff_factor = _check_backoff_factor("new_factor", new_factor)
 
     def get_growth_interval(self) -> int:
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        if isinstance(new_interval, bool) or not isinstance(new_interval, int) or new_interval < 1:
-            raise ValueError(f"new_interval: expected a positive int, got {new_interval!r}")
-        self._growth_interval = new_interval
+        self._growth_interval = checks.check_int("new_interval", new_interval, min=1)
 
     def _get_growth_tracker(self) -> int:
         if not self._enabled:
@@ -340,7 +351,7 @@ class GradScaler:
         if not self._enabled:
             return
         if not isinstance(state_dict, dict):
-            raise ValueError(f"state_dict: expected a dict from GradScaler.state_dict(), got {type(state_dict).__name__}")
+            raise TypeError(f"state_dict: expected a dict from GradScaler.state_dict(), got {type(state_dict).__name__}")
         if len(state_dict) == 0:
             raise RuntimeError(
                 "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
@@ -348,13 +359,19 @@ class GradScaler:
         missing = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"} - set(state_dict)
         if missing:
             raise ValueError(f"state_dict: missing keys {sorted(missing)}")
-        self._init_scale = float(state_dict["scale"])
+        # All checked before any is applied, so a corrupt state dict leaves the scaler as it was.
+        init_scale = _check_scale("state_dict['scale']", state_dict["scale"])
+        growth_factor = _check_growth_factor("state_dict['growth_factor']", state_dict["growth_factor"])
+        backoff_factor = _check_backoff_factor("state_dict['backoff_factor']", state_dict["backoff_factor"])
+        growth_interval = checks.check_int("state_dict['growth_interval']", state_dict["growth_interval"], min=1)
+        tracker = checks.check_int("state_dict['_growth_tracker']", state_dict["_growth_tracker"], min=0)
+        self._init_scale = init_scale
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
-        self._growth_factor = float(state_dict["growth_factor"])
-        self._backoff_factor = float(state_dict["backoff_factor"])
-        self._growth_interval = int(state_dict["growth_interval"])
-        self._init_growth_tracker = int(state_dict["_growth_tracker"])
+        self._growth_factor = growth_factor
+        self._backoff_factor = backoff_factor
+        self._growth_interval = growth_interval
+        self._init_growth_tracker = tracker
         if self._growth_tracker is not None:
             self._growth_tracker.fill_(self._init_growth_tracker)
 

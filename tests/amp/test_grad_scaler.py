@@ -252,8 +252,11 @@ def test_update_with_new_scale_and_disabled_scaler():
     assert scaler.get_scale() == 64.0
     scaler.update(new_scale=torch.tensor(8.0))
     assert scaler.get_scale() == 8.0
-    with pytest.raises(ValueError, match="new_scale"):
+    with pytest.raises(TypeError, match="new_scale"):
         scaler.update(new_scale="big")
+    with pytest.raises(ValueError, match="new_scale"):
+        scaler.update(new_scale=float("nan"))
+    assert scaler.get_scale() == 8.0
 
     off = GradScaler(enabled=False)
     assert off.scale(x) is x and off.get_scale() == 1.0 and not off.is_enabled() and off.state_dict() == {}
@@ -296,19 +299,19 @@ def test_misuse_errors():
 
 
 @pytest.mark.parametrize(
-    "kwargs,argname",
+    "kwargs,argname,error",
     [
-        (dict(init_scale=0.0), "init_scale"),
-        (dict(growth_factor=1.0), "growth_factor"),
-        (dict(backoff_factor=1.5), "backoff_factor"),
-        (dict(growth_interval=0), "growth_interval"),
-        (dict(growth_interval=2.5), "growth_interval"),
-        (dict(device="no-such-device"), "device"),
-        (dict(enabled="yes"), "enabled"),
+        (dict(init_scale=0.0), "init_scale", ValueError),
+        (dict(growth_factor=1.0), "growth_factor", ValueError),
+        (dict(backoff_factor=1.5), "backoff_factor", ValueError),
+        (dict(growth_interval=0), "growth_interval", ValueError),
+        (dict(growth_interval=2.5), "growth_interval", TypeError),
+        (dict(device="no-such-device"), "device", ValueError),
+        (dict(enabled="yes"), "enabled", TypeError),
     ],
 )
-def test_bad_constructor_arguments(kwargs, argname):
-    with pytest.raises(ValueError, match=argname):
+def test_bad_constructor_arguments(kwargs, argname, error):
+    with pytest.raises(error, match=argname):
         GradScaler(**kwargs)
 
 

@@ -195,20 +195,20 @@ def test_closure_loss_is_returned():
 
 
 @pytest.mark.parametrize(
-    "make,argname",
+    "make,argname,error",
     [
-        (lambda p: syncfree.Adam(p, lr=-1.0), "lr"),
-        (lambda p: syncfree.Adam(p, betas=(0.9, 1.0)), "betas[1]"),
-        (lambda p: syncfree.Adam(p, betas=0.9), "betas"),
-        (lambda p: syncfree.AdamW(p, eps=-1e-8), "eps"),
-        (lambda p: syncfree.AdamW(p, weight_decay=-0.1), "weight_decay"),
-        (lambda p: syncfree.SGD(p, momentum=-0.5), "momentum"),
-        (lambda p: syncfree.SGD(p, lr=0.1, nesterov=True), "nesterov"),
-        (lambda p: syncfree.SGD(p, lr=torch.ones(2)), "lr"),
+        (lambda p: syncfree.Adam(p, lr=-1.0), "lr", ValueError),
+        (lambda p: syncfree.Adam(p, betas=(0.9, 1.0)), "betas[1]", ValueError),
+        (lambda p: syncfree.Adam(p, betas=0.9), "betas", TypeError),
+        (lambda p: syncfree.AdamW(p, eps=-1e-8), "eps", ValueError),
+        (lambda p: syncfree.AdamW(p, weight_decay=-0.1), "weight_decay", ValueError),
+        (lambda p: syncfree.SGD(p, momentum=-0.5), "momentum", ValueError),
+        (lambda p: syncfree.SGD(p, lr=0.1, nesterov=True), "nesterov", ValueError),
+        (lambda p: syncfree.SGD(p, lr=torch.ones(2)), "lr", ValueError),
     ],
 )
-def test_bad_arguments_raise_value_error_naming_them(make, argname):
-    with pytest.raises(ValueError, match=argname.replace("[", r"\[").replace("]", r"\]")):
+def test_bad_arguments_raise_naming_them(make, argname, error):
+    with pytest.raises(error, match=argname.replace("[", r"\[").replace("]", r"\]")):
         make([torch.nn.Parameter(torch.ones(2))])
 
 
@@ -218,7 +218,7 @@ def test_found_inf_must_be_a_one_element_tensor():
     opt = syncfree.Adam([p])
     with pytest.raises(ValueError, match="found_inf"):
         opt.step(found_inf=torch.zeros(2))
-    with pytest.raises(ValueError, match="found_inf"):
+    with pytest.raises(TypeError, match="found_inf"):
         opt.step(found_inf=1.0)
     assert torch.equal(p.detach(), torch.ones(2))
 

@@ -1,4 +1,4 @@
-"""Argument checks and state plumbing shared by the sync-free optimizers."""
+"""State plumbing and the step() shared by the sync-free optimizers."""
 from __future__ import annotations
 
 from typing import Optional
@@ -6,28 +6,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-
-def check_lr(lr) -> None:
-    if isinstance(lr, Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"lr: expected a float or a 1-element tensor, got a tensor of shape {tuple(lr.shape)}")
-        return
-    if not isinstance(lr, (int, float)) or lr < 0.0:
-        raise ValueError(f"lr: expected a non-negative float, got {lr!r}")
-
-
-def check_non_negative(name: str, value) -> None:
-    if not isinstance(value, (int, float)) or value < 0.0:
-        raise ValueError(f"{name}: expected a non-negative float, got {value!r}")
+from accel.utils import checks
 
 
 def check_found_inf(found_inf: Optional[Tensor]) -> None:
-    if found_inf is None:
-        return
-    if not isinstance(found_inf, Tensor) or found_inf.numel() != 1:
-        raise ValueError(
-            f"found_inf: expected None or a 1-element tensor (non-zero means skip the step), got {found_inf!r}"
-        )
+    if found_inf is not None:
+        checks.check_one_element_tensor("found_inf", found_inf)
 
 
 def device_step(state: dict, param: Tensor, key: str = "step") -> Tensor:
@@ -60,10 +44,31 @@ def params_with_grads(group: dict, what: str) -> list[Tensor]:
 class SyncFreeOptimizer(torch.optim.Optimizer):
     """Base of the sync-free optimizers: ``step(closure=None, found_inf=None)`` runs the closure,
     then ``_step_group(group, found_inf)`` for each group; where ``found_inf`` is a non-zero
-    tensor, parameters and state stay as they were."""
+    tensor, parameters and state stay as they were.
+
+    Subclasses define ``_check_hyperparameters(group)``; it runs on the constructor's defaults
+    and on every param group, including groups with their own values and add_param_group's.
+    """
 
     # accel.amp.GradScaler passes its on-device overflow flag to optimizers that say this.
     _step_supports_found_inf = True
+
+    def __init__(self, params, defaults: dict):
+        # Before the base class runs, so a bad hyper-parameter is reported even when params is
+        # also wrong (e.g. an empty list), and nothing is half-built.
+        self._check_hyperparameters(defaults)
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def _check_hyperparameters(group: dict) -> None:
+        raise NotImplementedError
+
+    def add_param_group(self, param_group: dict) -> None:
+        # torch.optim checks only the constructor's arguments: a group's own lr=nan would get
+        # through and make its weights NaN on the first step.
+        if isinstance(param_group, dict):
+            self._check_hyperparameters({**self.defaults, **param_group})
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None, found_inf: Optional[Tensor] = None):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from accel.utils import checks
+
 from . import _functional
-from ._common import SyncFreeOptimizer, check_lr, check_non_negative, device_step, params_with_grads
+from ._common import SyncFreeOptimizer, device_step, params_with_grads
 
 
 class Adam(SyncFreeOptimizer):
@@ -28,18 +30,22 @@ class Adam(SyncFreeOptimizer):
         *,
         maximize: bool = False,
     ):
-        check_lr(lr)
-        check_non_negative("eps", eps)
-        check_non_negative("weight_decay", weight_decay)
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"betas: expected a pair of floats in [0, 1), got {betas!r}")
-        for i, beta in enumerate(betas):
-            if not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-                raise ValueError(f"betas[{i}]: expected a float in [0, 1), got {beta!r}")
+        betas = tuple(betas) if isinstance(betas, list) else betas
         defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize
         )
         super().__init__(params, defaults)
+
+    @staticmethod
+    def _check_hyperparameters(group: dict) -> None:
+        # As torch.optim.Adam, plus: NaN/inf and bools-as-numbers refused, flags must be bools.
+        checks.check_float_or_tensor("lr", group["lr"], min=0.0)
+        for i, beta in enumerate(checks.check_sequence("betas", group["betas"], 2)):
+            checks.check_float(f"betas[{i}]", beta, min=0.0, max=1.0, max_inclusive=False)
+        checks.check_float("eps", group["eps"], min=0.0)
+        checks.check_float("weight_decay", group["weight_decay"], min=0.0)
+        checks.check_bool("amsgrad", group["amsgrad"])
+        checks.check_bool("maximize", group["maximize"])
 
     def __setstate__(self, state):
         super().__setstate__(state)

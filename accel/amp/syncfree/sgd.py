@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from accel.utils import checks
+
 from . import _functional
-from ._common import SyncFreeOptimizer, check_lr, check_non_negative, device_step, params_with_grads
+from ._common import SyncFreeOptimizer, device_step, params_with_grads
 
 
 class SGD(SyncFreeOptimizer):
@@ -15,7 +17,6 @@ class SGD(SyncFreeOptimizer):
     tensor): torch.optim.SGD's "buffer = grad on the first step" is selected on the device
     from ``step == 0`` instead of from the buffer's absence on the host.
     """
-
 
     def __init__(
         self,
@@ -28,18 +29,24 @@ class SGD(SyncFreeOptimizer):
         *,
         maximize: bool = False,
     ):
-        check_lr(lr)
-        check_non_negative("momentum", momentum)
-        check_non_negative("weight_decay", weight_decay)
-        if not isinstance(dampening, (int, float)):
-            raise ValueError(f"dampening: expected a float, got {dampening!r}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("nesterov: Nesterov momentum requires momentum > 0 and dampening == 0")
         defaults = dict(
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
             maximize=maximize,
         )
         super().__init__(params, defaults)
+
+    @staticmethod
+    def _check_hyperparameters(group: dict) -> None:
+        # Stricter than torch.optim.SGD, which takes lr=nan, momentum=nan and any dampening:
+        # dampening scales the gradient by (1 - dampening), so outside [0, 1] it flips or
+        # amplifies it.
+        checks.check_float_or_tensor("lr", group["lr"], min=0.0)
+        momentum = checks.check_float("momentum", group["momentum"], min=0.0)
+        dampening = checks.check_float("dampening", group["dampening"], min=0.0, max=1.0)
+        checks.check_float("weight_decay", group["weight_decay"], min=0.0)
+        if checks.check_bool("nesterov", group["nesterov"]) and (momentum <= 0 or dampening != 0):
+            raise ValueError("nesterov: Nesterov momentum requires momentum > 0 and dampening == 0")
+        checks.check_bool("maximize", group["maximize"])
 
     def __setstate__(self, state):
         super().__setstate__(state)
