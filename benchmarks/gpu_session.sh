@@ -8,7 +8,8 @@
 # 2. every kernel in csrc/ built, 7 in parallel -> $OUT/build_<op>.log (cache: $ACCEL_EXT_DIR under /root)
 # 3. the GPU-relevant tests, pytest -n 8        -> $OUT/pytest.log
 # 4. benchmarks/bert_base.py --workload both    -> $OUT/bert_base.log, bert_base_cuda.json/png
-# 5. benchmarks/kernels.py --device cuda        -> $OUT/kernels.log, kernels_cuda.json/png
+# 5. benchmarks/multi_stream.py                -> $OUT/multi_stream.log, multi_stream.json/png
+# 6. benchmarks/kernels.py --device cuda        -> $OUT/kernels.log, kernels_cuda.json/png
 # The result files this session writes in benchmarks/results/ are copied to $OUT. A failing step does not
 # stop the next; $OUT/exit_codes.txt has "<step> <exit status> <seconds>" per step (124: timed out) and
 # the script exits 1 when any step failed. The whole session fits 10 minutes of wall clock: each step's
