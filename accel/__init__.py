@@ -9,3 +9,4 @@ from accel.checkpoint import auto_checkpoint
 from accel.config import Config
 from accel.accelerate import accelerate
 from accel.distributed import accumulate
+from accel.state import load_state, save_state, wait_for_save

@@ -34,8 +34,9 @@ What it does, in order (each step says why it sits where it does):
    optimizer step (accel.distributed). It wraps after the steps above (FSDP2 shards the parameters the
    model ends up with) and before compile (the compiled graph includes the wrapper's hooks).
    Gradient accumulation: `with accel.accumulate(model, steps):` around each micro-batch.
-9. the loader: each rank gets its share (a DistributedSampler, set_epoch at every pass; accel.data.sharding),
-   then static shapes by bucketing (dataloader.buckets / max_length / num_buckets: every batch
+9. the loader: each rank gets its share (a DistributedSampler; accel.data.sharding), made resumable
+   (accel.data.ResumableLoader: accel.save_state records the epoch and position, set_epoch at every
+   pass), then static shapes by bucketing (dataloader.buckets / max_length / num_buckets: every batch
    padded to a bucket length) or packing; then the backend's device loader (MpDeviceLoader on xla,
    the Prefetcher with pinned host memory on cuda, the Prefetcher's background reads on cpu); with
    compute.recompile_guard, a guard that warns about compilations after the first steps.
@@ -145,16 +146,24 @@ def _compile(model: nn.Module, backend: str, cuda_graphs: bool, n_shapes: int) -
 def _wrap_loader(loader, config: Config, backend: str, device: torch.device):
     from accel.data.bucketing import BucketPaddedLoader
     from accel.data.device_loader import MpDeviceLoader
+    from accel.data.resumable import ResumableLoader
     from accel.data.sharding import shard_loader
     from accel.runtime.io.prefetcher import Prefetcher
 
     dl = config.dataloader
     buckets = dl.bucket_lengths()
-    if dl.pack:  # shard the packed rows: packing builds a new DataLoader over them
+    if isinstance(loader, ResumableLoader):
+        loader = loader.loader  # packing and sharding build new DataLoaders; the result is made resumable below
+    if dl.pack:
         from accel.data.packing import packed_loader_like
 
         loader = packed_loader_like(loader, dl.max_length, pad_token_id=int(dl.pad_value_dict.get("input_ids", 0)))
     loader = shard_loader(loader, distributed.rank(), distributed.world_size())
+    # Innermost, so a resume skips batches by index before anything reads them; it also starts every pass
+    # with the sampler's set_epoch. None for loaders that keep their own state or cannot skip by index.
+    resumable = ResumableLoader.wrap(loader)
+    if resumable is not None:
+        loader = resumable
     if buckets is not None and not dl.pack:
         loader = BucketPaddedLoader(loader, buckets, dl.pad_value_dict)
     loader = MpDeviceLoader(loader, device) if backend == "xla" else Prefetcher(loader, device=device)
@@ -162,6 +171,9 @@ def _wrap_loader(loader, config: Config, backend: str, device: torch.device):
         from accel.compiler.recompile_guard import GuardedLoader, RecompileGuard
 
         loader = GuardedLoader(loader, RecompileGuard(backend="xla" if backend == "xla" else "dynamo"))
+    if resumable is not None:
+        # Outermost: the device loaders read ahead; the position must count what the training loop took.
+        loader = resumable.counting(loader)
     return loader
 
 

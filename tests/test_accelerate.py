@@ -309,7 +309,7 @@ def test_xla_backend_moves_the_model_and_loads_batches_onto_the_device():
     config = Config(backend="xla")
     config.dataloader.buckets = [32]
     model, wrapped = accel.accelerate(model, loader(), config)
-    assert isinstance(wrapped, MpDeviceLoader)
+    assert isinstance(wrapped.loader, MpDeviceLoader)  # inside the resumable position count
     assert all(p.device.type == "xla" for p in model.parameters())
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     losses = []

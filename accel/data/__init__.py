@@ -3,6 +3,7 @@ from accel.data.bucketing import BucketBatchSampler, BucketingCollate, Bucketing
 from accel.data.device_loader import MpDeviceLoader
 from accel.data.packing import PackedCollator, PackedDataset, block_diagonal_mask, pack_lengths
 from accel.data.padding_stats import PaddingStats
+from accel.data.resumable import ResumableLoader
 
 __all__ = [
     "BucketBatchSampler",
@@ -12,6 +13,7 @@ __all__ = [
     "PackedCollator",
     "PackedDataset",
     "PaddingStats",
+    "ResumableLoader",
     "block_diagonal_mask",
     "pack_lengths",
 ]

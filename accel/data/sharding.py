@@ -1,10 +1,10 @@
 """Give each rank of a data-parallel run its own part of a DataLoader's data.
 
-`shard_loader(loader, rank, world_size)` returns a ShardedLoader: the same DataLoader settings (batch size,
-collate_fn, workers, pinning, ...) over a DistributedSampler, or, for a loader with its own batch sampler
-(e.g. BucketBatchSampler), over every world_size-th batch of it. Each pass calls the sampler's
-set_epoch with the pass number, so shuffling differs per epoch and agrees across ranks; `set_epoch(e)`
-sets the number of the next pass explicitly (a resumed run).
+`shard_loader(loader, rank, world_size)` returns a DataLoader with the same settings (batch size, collate_fn,
+workers, pinning, ...) over a DistributedSampler, or, for a loader with its own batch sampler (e.g.
+BucketBatchSampler), over every world_size-th batch of it. The samplers take set_epoch, so shuffling
+differs per epoch and agrees across ranks: accelerate() wraps the result in accel.data.ResumableLoader,
+which calls it at every pass.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import warnings
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 
-from accel.utils.loader import LoaderWrapper
 
 
 class ShardedBatchSampler(Sampler):
@@ -55,40 +54,13 @@ def _already_sharded(loader: DataLoader) -> bool:
     return any(isinstance(s, (DistributedSampler, ShardedBatchSampler)) for s in samplers)
 
 
-class ShardedLoader(LoaderWrapper):
-    """`loader` (the rank's DataLoader) with the sampler's set_epoch called at the start of every pass."""
-
-    def __init__(self, loader: DataLoader):
-        super().__init__(loader)
-        self.epoch = 0
-
-    def _sampler(self):
-        for s in (self.loader.batch_sampler, self.loader.sampler):
-            if hasattr(s, "set_epoch"):
-                return s
-        return None
-
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next pass epoch `epoch` (later passes count on from it)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch: expected an int >= 0, got {epoch!r}")
-        self.epoch = epoch
-
-    def __iter__(self):
-        sampler = self._sampler()
-        if sampler is not None:
-            sampler.set_epoch(self.epoch)
-        self.epoch += 1
-        return iter(self.loader)
-
-
 def shard_loader(loader, rank: int, world_size: int):
     """The part of `loader` that rank `rank` of `world_size` reads (see the module docstring). Loaders that
     cannot be split (not a DataLoader, an IterableDataset) come back unchanged with a warning: the
     dataset then has to shard itself."""
     if world_size <= 1:
         return loader
-    if isinstance(loader, ShardedLoader) or (isinstance(loader, DataLoader) and _already_sharded(loader)):
+    if isinstance(loader, DataLoader) and _already_sharded(loader):
         return loader
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         warnings.warn(f"accelerate(): the {type(loader).__name__} given cannot be split across the {world_size} "
@@ -108,4 +80,4 @@ def shard_loader(loader, rank: int, world_size: int):
         sampler = DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank,
                                      shuffle=isinstance(loader.sampler, RandomSampler))
         sharded = DataLoader(loader.dataset, batch_size=None, sampler=sampler, **settings)
-    return ShardedLoader(sharded)
+    return sharded
