@@ -1,12 +1,60 @@
 """The XLA device, replication bookkeeping and the random-number state."""
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 
 from accel.utils.xla import is_xla_device, require_xla, xla_available
 
 # (device, devices) given to the last set_replication call; TorchAcc scripts call it once.
 _replication: tuple[torch.device, tuple[torch.device, ...]] | None = None
+_compile_cache_checked = False
+
+
+def _start_compile_cache(torch_xla) -> None:
+    """Start torch_xla's persistent cache in $ACCEL_XLA_COMPILE_CACHE/rank<RANK>, once per process.
+
+    xlarun's worker mode normally sets torch_xla's variables before the script runs; this covers
+    workers it cannot wrap (--no-python, --run-path) and other launchers. torch_xla reads the
+    variables when it creates its computation cache at the first compile, so after that it is too late.
+    """
+    global _compile_cache_checked
+    if _compile_cache_checked:
+        return
+    _compile_cache_checked = True
+    from accel import launch
+
+    root = os.environ.get(launch.CACHE_ENV)
+    if not root:
+        return
+    wanted = launch.rank_cache_dir(root)
+    current = os.environ.get(launch.XLA_CACHE_PATH)
+    if current and current != wanted:
+        return  # the user's own torch_xla setting
+    started = getattr(torch_xla._XLAC, "_xla_computation_cache_is_initialized", lambda: False)()
+    if started:
+        if not current:
+            warnings.warn(
+                f"accel: XLA compile cache not used: torch_xla compiled a graph before the first "
+                f"accel.xla.xla_device() call; run through xlarun, or set {launch.XLA_CACHE_PATH} "
+                "before the first computation.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return
+    if current:  # xlarun's worker mode checked the folder already
+        read_only = os.environ.get(launch.XLA_CACHE_READ_ONLY) == "1"
+    else:
+        opened = launch.open_cache_dir(wanted)
+        if opened is None:
+            return
+        read_only = opened[1]
+    import torch_xla.runtime as xr
+
+    # Through the API even when the variables are set: it is where torch_xla would move the setting.
+    xr.initialize_cache(wanted, readonly=read_only)
 
 
 def xla_device(n: int | None = None) -> torch.device:
@@ -14,6 +62,7 @@ def xla_device(n: int | None = None) -> torch.device:
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
         raise ValueError(f"n must be None or a non-negative int, got {n!r}")
     torch_xla = require_xla("accel.xla.xla_device()")
+    _start_compile_cache(torch_xla)
     if hasattr(torch_xla, "device"):
         return torch_xla.device(n)
     import torch_xla.core.xla_model as xm

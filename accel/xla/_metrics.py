@@ -70,6 +70,12 @@ class XlaMetrics:
     execute_time_s: float = 0.0
     # XlaCompilation entries recorded by RecompileGuards (empty when no guard watches the loop).
     compilations: tuple = ()
+    # torch_xla's persistent compile cache (xlarun --compile-cache): a hit is a graph loaded from disk
+    # instead of compiled, so it is not in `compiles`; a miss found no entry on disk; a load failure
+    # found one the runtime could not load back (it compiles instead, and rewrites the entry).
+    persistent_cache_hits: int = 0
+    persistent_cache_misses: int = 0
+    persistent_cache_load_failures: int = 0
 
     def __sub__(self, earlier: "XlaMetrics") -> "XlaMetrics":
         if not isinstance(earlier, XlaMetrics):
@@ -89,12 +95,18 @@ class XlaMetrics:
         return self - earlier
 
     def report(self) -> str:
-        return (
+        text = (
             f"XLA metrics: {self.compiles} compiles ({self.compile_time_s:.3f} s), "
             f"{self.executions} executions ({self.execute_time_s:.3f} s), "
             f"{self.h2d_transfers} host-to-device transfers, "
             f"{self.d2h_transfers} device-to-host transfers ({self.item_calls} from .item())"
         )
+        if self.persistent_cache_hits or self.persistent_cache_misses or self.persistent_cache_load_failures:
+            text += (
+                f"; persistent compile cache: {self.persistent_cache_hits} loaded, "
+                f"{self.persistent_cache_misses} not found, {self.persistent_cache_load_failures} unloadable"
+            )
+        return text
 
     def __str__(self) -> str:
         return self.report()
@@ -136,6 +148,10 @@ def metrics(wait: bool = True) -> XlaMetrics:
     h2d, _ = _metric(met, "TransferToDeviceTime")
     d2h, _ = _metric(met, "TransferFromDeviceTime")
     items = met.counter_value("aten::_local_scalar_dense") or 0
+    # Counter names from torch_xla's PersistentCache (runtime/cache.h); None until the event happens.
+    hits = met.counter_value("PersistentCacheHit") or 0
+    misses = met.counter_value("PersistentCacheMiss") or 0
+    load_failures = met.counter_value("PersistentCacheDeserializeFailure") or 0
     return XlaMetrics(
         compiles=compiles,
         executions=executions,
@@ -145,6 +161,9 @@ def metrics(wait: bool = True) -> XlaMetrics:
         compile_time_s=compile_ns / _NS_PER_S,
         execute_time_s=execute_ns / _NS_PER_S,
         compilations=tuple(_COMPILATIONS),
+        persistent_cache_hits=int(hits),
+        persistent_cache_misses=int(misses),
+        persistent_cache_load_failures=int(load_failures),
     )
 
 
