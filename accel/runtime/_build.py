@@ -8,22 +8,35 @@ Order of preference: a module built ahead of time by `ACCEL_BUILD_EXT=1 pip inst
 (accel._ext.<op>), else a JIT build through torch.utils.cpp_extension + ninja, cached under
 $ACCEL_EXT_DIR (default ~/.cache/accel/ext/), in a folder per torch version, CPU instruction set and
 GPU architecture (machine_tag), and rebuilt when a source changes.
+
+Processes that share a cache (torchrun ranks, jobs on one home directory) build each op once: the
+first takes an OS file lock on <build dir>/accel.lock and builds, the others wait for it and then
+load the result. The OS drops that lock when its holder dies, so a build killed half-way never
+blocks later runs; see `_build_lock`.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
 import os
 import platform
 import shutil
+import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): no cross-process lock of our own, see _build_lock
+    fcntl = None
 
 _lock = threading.RLock()
 
@@ -124,12 +137,16 @@ def load(op: str) -> ModuleType:
 # at::parallel_for is a header template that runs in parallel only when the including code is
 # compiled with OpenMP; without it every CPU kernel would run on one thread. The GOMP symbols bind
 # to the runtime torch already loaded globally, so torch.set_num_threads governs our kernels too.
-OPENMP_FLAGS = ["-fopenmp"] if sys.platform.startswith("linux") else []
+# Tuples, and cpp_extension only ever gets fresh lists: it appends its own flags (-ltorch, ...) to
+# the extra_ldflags list it is given, which would otherwise grow a shared constant with every build
+# and change the flags, fingerprint and so the cache of every op loaded later in the process.
+OPENMP_FLAGS: tuple[str, ...] = ("-fopenmp",) if sys.platform.startswith("linux") else ()
+CUDA_FLAGS: tuple[str, ...] = ("-O3",)
 
 
 def cxx_flags(cuda: bool) -> list[str]:
     # JIT builds run where they are used, so they may target this CPU's vector units.
-    return ["-O3", "-march=native"] + OPENMP_FLAGS + (["-DWITH_CUDA"] if cuda else [])
+    return ["-O3", "-march=native", *OPENMP_FLAGS, *(("-DWITH_CUDA",) if cuda else ())]
 
 
 def _ensure_ninja_on_path() -> None:
@@ -157,30 +174,126 @@ def _jit_build(op: str) -> ModuleType:
     _ensure_ninja_on_path()
     srcs = sources(op)
     cuda = any(s.endswith(".cu") for s in srcs)
-    # cpp_extension rebuilds when a source changes but says nothing; say it ourselves, since a
-    # first build takes a minute. The stamp is our own fingerprint of what goes into the build.
-    stamp = build_dir(op) / "accel.stamp"
-    fingerprint = _fingerprint(srcs)
-    if not stamp.exists() or stamp.read_text() != fingerprint:
-        print(f"accel: building the {op!r} kernels ({'C++ + CUDA' if cuda else 'C++'}) in "
-              f"{build_dir(op)}; this happens once per source change", file=sys.stderr, flush=True)
-    try:
-        module = cpp_extension.load(
-            name=f"accel_{op}",
-            sources=srcs,
-            extra_cflags=cxx_flags(cuda),
-            extra_ldflags=OPENMP_FLAGS,
-            extra_cuda_cflags=["-O3"] if cuda else None,
-            extra_include_paths=[str(csrc_dir())],
-            build_directory=str(build_dir(op)),
-            with_cuda=cuda,
-            verbose=False,
-        )
-    except Exception as e:  # the compiler's output is in the message; keep it
-        raise RuntimeError(
-            f"accel: building the {op!r} kernels failed. Sources: {', '.join(srcs)}.\n{e}") from e
-    stamp.write_text(fingerprint)
+    folder = build_dir(op)
+    with _build_lock(op, folder):
+        # cpp_extension rebuilds when a source changes but says nothing; say it ourselves, since a
+        # first build takes a minute. The stamp is our own fingerprint of what goes into the build;
+        # read under the lock, so a process that waited for another one's build stays quiet.
+        stamp = folder / "accel.stamp"
+        fingerprint = _fingerprint(srcs)
+        if not stamp.exists() or stamp.read_text() != fingerprint:
+            print(f"accel: building the {op!r} kernels ({'C++ + CUDA' if cuda else 'C++'}) in "
+                  f"{folder}; this happens once per source change", file=sys.stderr, flush=True)
+        try:
+            module = cpp_extension.load(
+                name=f"accel_{op}",
+                sources=srcs,
+                extra_cflags=cxx_flags(cuda),
+                extra_ldflags=list(OPENMP_FLAGS),
+                extra_cuda_cflags=list(CUDA_FLAGS) if cuda else None,
+                extra_include_paths=[str(csrc_dir())],
+                build_directory=str(folder),
+                with_cuda=cuda,
+                verbose=False,
+            )
+        except Exception as e:  # the compiler's output is in the message; keep it
+            raise RuntimeError(
+                f"accel: building the {op!r} kernels failed. Sources: {', '.join(srcs)}.\n{e}") from e
+        stamp.write_text(fingerprint)
     return module
+
+
+# Seconds a process waits for another one's build of the same op before saying whom it waits for.
+WAIT_NOTICE_S = 10.0
+_POLL_S = 0.1
+LOCK_NAME = "accel.lock"  # ours: an flock(2) lock, never deleted
+BATON_NAME = "lock"  # cpp_extension's FileBaton: a file whose mere existence means "building"
+
+
+@contextlib.contextmanager
+def _build_lock(op: str, folder: Path) -> Iterator[None]:
+    """Hold the cross-process lock of `folder` while the body builds or loads there.
+
+    cpp_extension.load serializes builds with a FileBaton: it creates <folder>/lock, builds and
+    deletes it, and every other caller sleeps until that file is gone. A build killed half-way
+    (torchrun's SIGTERM/SIGKILL to the other ranks when one fails, a job's time limit, a second
+    Ctrl-C during the cleanup of the first) leaves the file behind and every later load then sleeps
+    forever, without a word. The file names no owner, so it cannot tell
+    "building" from "died". Our lock can: flock(2) belongs to an open file, the OS drops it when the
+    holder exits however it exits, and its descriptor is not inherited by the compilers the build
+    runs (Python opens files non-inheritable), so a holder is always a live process. Every accel
+    build takes it before calling cpp_extension.load, so a baton found while holding it was left by
+    a dead process: it is removed, and the load goes on.
+    """
+    lock_path, baton = folder / LOCK_NAME, folder / BATON_NAME
+    fd = _open_lock(lock_path) if fcntl is not None else None
+    if fd is None:
+        _notice_baton(op, baton)
+        yield
+        return
+    try:
+        if not _acquire(fd, op, folder, lock_path):
+            _notice_baton(op, baton)
+            yield
+            return
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        except OSError:
+            pass  # the owner's name is only for the waiters' message
+        try:
+            baton.unlink()
+        except FileNotFoundError:
+            pass
+        else:
+            print(f"accel: removed {baton}, the lock file of an interrupted build of the {op!r} kernels "
+                  f"(no process was building them)", file=sys.stderr, flush=True)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _open_lock(path: Path) -> int | None:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:  # e.g. a read-only cache, whose builds cannot be redone anyway
+        print(f"accel: cannot open the build lock {path} ({e}); building without it", file=sys.stderr,
+              flush=True)
+        return None
+
+
+def _acquire(fd: int, op: str, folder: Path, lock_path: Path) -> bool:
+    """Wait for the lock; False where the file system offers no locks (some NFS mounts)."""
+    start = time.monotonic()
+    noticed = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        except OSError as e:
+            print(f"accel: cannot lock {lock_path} ({e}); building without it, so processes sharing "
+                  f"{folder} may build at once", file=sys.stderr, flush=True)
+            return False
+        if not noticed and time.monotonic() - start >= WAIT_NOTICE_S:
+            noticed = True
+            try:
+                owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            except OSError:
+                owner = "another process"
+            print(f"accel: waiting for {owner}, which is building the {op!r} kernels in {folder} "
+                  f"(it holds {lock_path}, released when that process exits)", file=sys.stderr, flush=True)
+        time.sleep(_POLL_S)
+
+
+def _notice_baton(op: str, baton: Path) -> None:
+    """Without our lock a leftover baton cannot be told from a live build: name it, once, since
+    cpp_extension will wait on it without a word."""
+    if baton.exists():
+        print(f"accel: {baton} exists: another process is building the {op!r} kernels, or an interrupted "
+              f"build left it behind. The load waits until it is gone; if no build is running, delete it.",
+              file=sys.stderr, flush=True)
 
 
 def _fingerprint(srcs: list[str]) -> str:

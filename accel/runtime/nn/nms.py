@@ -32,6 +32,9 @@ Conventions (shared by kernels and references):
   method 3 is hard NMS, it keeps final scores > thresh (strict), breaks ties by swap history, and
   returns the kept boxes' original scores, class by class, rather than the rescored ones.
 
+Not differentiable (as mmcv's and torchvision's NMS): the rescored scores never require grad, and
+the kept boxes that soft_nms returns carry gradients to dets only as a gather (index_select).
+
 torch.compile: the ops have fake kernels with a data-dependent output size, so fullgraph=True works
 with `torch._dynamo.config.capture_dynamic_output_shape_ops = True`, as for torchvision.ops.nms.
 The CUDA soft-NMS is one thread block looping over selections: fine up to tens of thousands of
@@ -131,6 +134,7 @@ def nms_reference(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: floa
     return order[torch.tensor(keep, dtype=torch.int64, device=boxes.device)]
 
 
+@torch.no_grad()  # not differentiable, like the kernels
 def _soft_nms_reference(boxes, scores, labels, iou_threshold, sigma, min_score, method):
     """(indices in selection order, rescored scores in the math dtype)."""
     mt = _math_dtype(boxes)
@@ -191,7 +195,8 @@ def batched_soft_nms_reference(boxes, scores, idxs, iou_threshold=0.5, sigma=0.5
 
 
 def _register():
-    """Fake (meta) kernels: the number of kept boxes is only known at run time."""
+    """Fake (meta) kernels: the number of kept boxes is only known at run time. And soft-NMS's
+    autograd contract: not differentiable."""
 
     @torch.library.register_fake("accel::nms")
     def _(boxes, scores, iou_threshold):
@@ -202,6 +207,18 @@ def _register():
     def _(boxes, scores, labels, iou_threshold, sigma, min_score, method):
         k = torch.library.get_ctx().new_dynamic_size()
         return boxes.new_empty((k,), dtype=torch.int64), boxes.new_empty((k,), dtype=_math_dtype(boxes))
+
+    # Without an autograd registration, scores that require grad (a detector's head, in training)
+    # gave rescored scores that required grad too, through torch's fallback node, which only warns
+    # and backpropagates nothing (and opcheck's AOTAutograd check, trying to differentiate them,
+    # failed). Non-differentiable outputs say what is true: no gradient flows through NMS.
+    def soft_setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(*output)
+
+    def soft_backward(ctx, grad_inds, grad_scores):
+        raise RuntimeError("accel::nms_soft is not differentiable")  # unreachable: no output needs a grad
+
+    torch.library.register_autograd("accel::nms_soft", soft_backward, setup_context=soft_setup_context)
 
 
 def _ops():
