@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from accel.amp.syncfree import _functional as _syncfree_functional
 from accel.runtime import _build
 
 CHUNK_SIZE = 1 << 16  # elements per work item (CPU thread task / CUDA block)
@@ -77,43 +78,19 @@ def fused_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
         bool(maximize), bool(decoupled_weight_decay), grad_scale, found_inf, chunk_size)
 
 
-@torch.no_grad()
 def adam_reference(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
                    weight_decay, amsgrad, maximize, decoupled_weight_decay, grad_scale=None,
                    found_inf=None) -> None:
-    """Plain tensor ops with the kernels' semantics, for devices without kernels. Sync-free: the
-    found_inf skip is a select on the device, never a branch on the host."""
-    keep = None if found_inf is None else (found_inf != 0)
-    for i, p in enumerate(params):
-        sdt = state_dtype(p.dtype)
-        g = grads[i].to(sdt)
-        if grad_scale is not None:
-            g = g / grad_scale.to(sdt)
-        if maximize:
-            g = -g
-        w = p.to(sdt)
-        step = steps[i] + 1 if keep is None else torch.where(keep, steps[i], steps[i] + 1)
-        lr_v = lr.to(device=p.device, dtype=torch.float64) if isinstance(lr, torch.Tensor) else lr
-        if weight_decay != 0:
-            if decoupled_weight_decay:
-                w = w * (1 - lr_v * weight_decay)
-            else:
-                g = g + weight_decay * w
-        m = exp_avgs[i].lerp(g, 1 - beta1)
-        v = exp_avg_sqs[i] * beta2 + (1 - beta2) * g * g
-        vx = v
-        if amsgrad:
-            vx = torch.maximum(max_exp_avg_sqs[i], v)
-        s64 = step.to(torch.float64)
-        bc1 = 1 - torch.pow(torch.tensor(beta1, dtype=torch.float64, device=p.device), s64)
-        bc2 = 1 - torch.pow(torch.tensor(beta2, dtype=torch.float64, device=p.device), s64)
-        denom = vx.sqrt() / bc2.sqrt().to(sdt) + eps
-        w = w + (-(lr_v / bc1)).to(sdt) * m / denom
-        updates = [(p, w.to(p.dtype)), (exp_avgs[i], m), (exp_avg_sqs[i], v), (steps[i], step)]
-        if amsgrad:
-            updates.append((max_exp_avg_sqs[i], vx))
-        for dst, new in updates:
-            dst.copy_(new if keep is None else torch.where(keep, dst, new))
+    """Plain tensor ops for devices without kernels: accel.amp.syncfree's Adam, which updates in the
+    state's dtype (fp32 for fp16/bf16 params, rounded once on store, as the kernels do) and skips on
+    the device where found_inf != 0, never branching on the host. A tensor lr is taken in float64 on
+    the params' device, as the kernels take it."""
+    if params and isinstance(lr, torch.Tensor):
+        lr = lr.detach().to(device=params[0].device, dtype=torch.float64)
+    _syncfree_functional.adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, found_inf,
+                              amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay,
+                              eps=eps, maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
+                              grad_scale=grad_scale)
 
 
 def _check_flag(name: str, value, allowed=(True, False)) -> None:
