@@ -13,6 +13,7 @@
 #include "nms_common.h"
 
 #include <algorithm>
+#include <chrono>
 #include <vector>
 
 namespace accel {
@@ -20,8 +21,15 @@ namespace {
 
 using namespace nms_common;
 
-// Below this many candidates the inner suppression loop is cheaper than waking the thread pool.
-constexpr int64_t kParallelSuppress = 8192;
+// Hard NMS runs in blocks of kBlock boxes (by decreasing score): within a block, serially, each box
+// not yet suppressed is kept and suppresses the later boxes of its block; then the block's kept boxes
+// suppress every later box in one pass, parallel when it holds at least kParallelWork IoUs. A box is
+// suppressed iff some kept box before it overlaps it by more than the threshold, which is what the
+// one-box-at-a-time loop computes; but the thread pool is woken once per block rather than once per
+// kept box. Waking it per box made 20k boxes take 17.5 s with the second core busy (1.1 s on one
+// thread): every round waited for a thread the OS had not scheduled.
+constexpr int64_t kBlock = 1024;
+constexpr int64_t kParallelWork = 1 << 22;
 
 // ---------------------------------------------------------------------------------------------
 // Hard NMS: visit boxes by decreasing score; a kept box suppresses every later box whose IoU with
@@ -50,23 +58,41 @@ at::Tensor nms_cpu(const at::Tensor& boxes_, const at::Tensor& scores_, double i
     std::vector<uint8_t> suppressed(n, 0);
     const int64_t* ord = order.const_data_ptr<int64_t>();
     int64_t* out = keep.mutable_data_ptr<int64_t>();
+    auto overlaps = [&](int64_t i, int64_t j) {
+      const scalar_t inter = intersection(x1[i], y1[i], x2[i], y2[i], x1[j], y1[j], x2[j], y2[j]);
+      return suppresses(inter, area[i], area[j], iou_threshold);
+    };
+    std::vector<int64_t> block_kept;
+    block_kept.reserve(kBlock);
 
-    for (int64_t i = 0; i < n; ++i) {
-      if (suppressed[i]) continue;
-      out[kept++] = ord[i];
-      const scalar_t ix1 = x1[i], iy1 = y1[i], ix2 = x2[i], iy2 = y2[i], iarea = area[i];
+    for (int64_t start = 0; start < n; start += kBlock) {
+      const int64_t end = std::min(n, start + kBlock);
+      block_kept.clear();
+      for (int64_t i = start; i < end; ++i) {
+        if (suppressed[i]) continue;
+        out[kept++] = ord[i];
+        block_kept.push_back(i);
+        for (int64_t j = i + 1; j < end; ++j)
+          if (!suppressed[j] && overlaps(i, j)) suppressed[j] = 1;
+      }
       // Each j is written by exactly one task, so the bitmap needs no synchronisation.
-      auto suppress = [&](int64_t begin, int64_t end) {
-        for (int64_t j = begin; j < end; ++j) {
+      auto suppress_rest = [&](int64_t begin, int64_t stop) {
+        for (int64_t j = begin; j < stop; ++j) {
           if (suppressed[j]) continue;
-          const scalar_t inter = intersection(ix1, iy1, ix2, iy2, x1[j], y1[j], x2[j], y2[j]);
-          if (suppresses(inter, iarea, area[j], iou_threshold)) suppressed[j] = 1;
+          for (const int64_t i : block_kept) {
+            if (overlaps(i, j)) {
+              suppressed[j] = 1;
+              break;
+            }
+          }
         }
       };
-      if (n - i - 1 >= kParallelSuppress) {
-        at::parallel_for(i + 1, n, kParallelSuppress / 2, suppress);
+      const int64_t work = (n - end) * static_cast<int64_t>(block_kept.size());
+      if (work >= kParallelWork) {
+        at::parallel_for(end, n, std::max<int64_t>(1, kParallelWork / 4 / std::max<int64_t>(1, block_kept.size())),
+                         suppress_rest);
       } else {
-        suppress(i + 1, n);
+        suppress_rest(end, n);
       }
     }
   });
@@ -81,13 +107,49 @@ at::Tensor nms_cpu(const at::Tensor& boxes_, const at::Tensor& scores_, double i
 //   gaussian: s *= exp(-iou^2 / sigma)
 // A box whose score is below min_score (initially or after a decay) is dropped. Each round is one
 // pass over the candidates that decays them and finds the next round's argmax; large candidate
-// sets are split into chunks decayed in parallel, each with its own argmax, merged afterwards.
+// sets may be split into chunks decayed in parallel, each with its own argmax, merged afterwards
+// (when that is measured to be faster: RoundTimer).
 // Dropped boxes are flagged and squeezed out once they are a quarter of the candidates, so a
 // round costs O(live boxes) without a serial compaction every round.
 // ---------------------------------------------------------------------------------------------
 
-// Below this many candidates a round runs on one thread: waking the pool would cost more.
-constexpr int64_t kParallelSoft = 4096;
+// Below this many candidates a round runs on one thread: a round's work (tens of microseconds per
+// 10k candidates) does not pay for waking the pool once per selected box when other processes load
+// the cores (measured: benchmarks/nms_contention.py).
+constexpr int64_t kParallelSoft = 1 << 16;
+
+// Each soft-NMS round needs the previous round's scores, so a parallel round wakes the pool once per
+// selected box. That pays on idle cores and loses badly on busy ones (gaussian soft-NMS of 20k boxes:
+// 12.5-16 s with the second core busy, 1.8 s on one thread), which cannot be known in advance. So the
+// loop measures: it times rounds both ways, runs the cheaper per candidate, and re-times the other way
+// every kRetime rounds, so it follows load that changes while it runs and is never much slower than
+// one thread.
+class RoundTimer {
+ public:
+  static constexpr int64_t kRetime = 64;
+
+  bool parallel_next(int64_t round) const {
+    if (samples_[0] < 2 || samples_[1] < 2) return round % 2 == 1;  // try both ways first
+    const bool faster = cost_[1] < cost_[0];
+    return round % kRetime == 0 ? !faster : faster;
+  }
+
+  template <typename F>
+  void time(bool parallel, int64_t candidates, F&& round) {
+    const auto t0 = std::chrono::steady_clock::now();
+    round();
+    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+    const double per = ns / static_cast<double>(std::max<int64_t>(1, candidates));
+    const int w = parallel ? 1 : 0;
+    // A moving average: recent rounds count most, one descheduled round does not decide alone.
+    cost_[w] = samples_[w] == 0 ? per : 0.75 * cost_[w] + 0.25 * per;
+    ++samples_[w];
+  }
+
+ private:
+  double cost_[2] = {0.0, 0.0};
+  int64_t samples_[2] = {0, 0};
+};
 
 template <typename T>
 struct SoftNmsCandidates {
@@ -170,6 +232,7 @@ int64_t soft_nms_loop(const T* box, const T* score, int64_t n, T thr, T sigma,
   int64_t k = 0;
   const int64_t max_chunks = std::max<int64_t>(1, at::get_num_threads()) * 4;
   std::vector<int64_t> chunk_best(max_chunks), chunk_died(max_chunks);
+  RoundTimer timer;
   while (best >= 0) {
     out_idx[k] = c.id[best];
     out_score[k] = c.score[best];
@@ -181,20 +244,27 @@ int64_t soft_nms_loop(const T* box, const T* score, int64_t n, T thr, T sigma,
     if (c.size < kParallelSoft || max_chunks == 1) {
       best = decay(0, c.size, bx1, by1, bx2, by2, barea, died);
     } else {
-      const int64_t chunks = std::min<int64_t>(max_chunks, c.size / (kParallelSoft / 4));
-      const int64_t step = (c.size + chunks - 1) / chunks;
-      at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
-        for (int64_t ch = cb; ch < ce; ++ch) {
-          int64_t d = 0;
-          chunk_best[ch] = decay(ch * step, std::min(c.size, (ch + 1) * step), bx1, by1, bx2, by2, barea, d);
-          chunk_died[ch] = d;
+      const bool parallel = timer.parallel_next(k);
+      timer.time(parallel, c.size, [&] {
+        if (!parallel) {
+          best = decay(0, c.size, bx1, by1, bx2, by2, barea, died);
+          return;
+        }
+        const int64_t chunks = std::min<int64_t>(max_chunks, c.size / 4096);
+        const int64_t step = (c.size + chunks - 1) / chunks;
+        at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+          for (int64_t ch = cb; ch < ce; ++ch) {
+            int64_t d = 0;
+            chunk_best[ch] = decay(ch * step, std::min(c.size, (ch + 1) * step), bx1, by1, bx2, by2, barea, d);
+            chunk_died[ch] = d;
+          }
+        });
+        best = -1;
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+          died += chunk_died[ch];
+          if (chunk_best[ch] >= 0 && c.better(chunk_best[ch], best)) best = chunk_best[ch];
         }
       });
-      best = -1;
-      for (int64_t ch = 0; ch < chunks; ++ch) {
-        died += chunk_died[ch];
-        if (chunk_best[ch] >= 0 && c.better(chunk_best[ch], best)) best = chunk_best[ch];
-      }
     }
     live -= died;
     if (c.size - live > c.size / 4) best = c.compact(best);

@@ -61,6 +61,21 @@ def test_nms_matches_torchvision_random_boxes(device, thr):
         assert torch.equal(keep.cpu(), _tv_nms(boxes, scores, thr)), (seed, n)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("threads", [1, 2])
+def test_nms_many_boxes_blocks_and_threads_match_torchvision(threads):
+    # 20000 boxes: many 1024-box blocks, and the kept boxes of a block suppress the later ones in a
+    # parallel pass; the result must not depend on the blocks or the thread count.
+    boxes, scores = _boxes(20000, 3, spread=400.0), _scores(20000, 3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for thr in (0.3, 0.7):
+            assert torch.equal(nms(boxes, scores, thr), _tv_nms(boxes, scores, thr)), thr
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_nms_matches_torchvision_tie_free_dense_clusters(device):
     # a small canvas makes most boxes overlap: long suppression chains across 64-box blocks
