@@ -73,6 +73,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes only (a smoke run)")
     ap.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     ap.add_argument("--min-time", type=float, default=0.2, help="seconds of timing per measurement")
+    ap.add_argument("--results-dir", type=Path, default=_report.RESULTS,
+                    help="where the JSON and PNG go (default benchmarks/results; a partial --ops run "
+                         "should not replace the full table there)")
     args = ap.parse_args(argv)
     ops = {o.strip() for o in args.ops.split(",") if o.strip()} or None
 
@@ -106,13 +109,13 @@ def main(argv=None) -> int:
     ])
     tag = "cuda" if args.device.startswith("cuda") else "cpu"
     payload = {**env, "copy_bandwidth_gbps": bw / 1e9, "quick": args.quick, "rows": rows}
-    path = _report.write_json(f"kernels_{tag}", payload)
-    png = _plot(rows, env, tag)
+    path = _report.write_json(f"kernels_{tag}", payload, args.results_dir)
+    png = _plot(rows, env, tag, args.results_dir)
     print(f"\nwrote {path} and {png}")
     return 0
 
 
-def _plot(rows, env, tag):
+def _plot(rows, env, tag, directory):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -128,7 +131,7 @@ def _plot(rows, env, tag):
     ax.invert_yaxis()
     ax.set_xlabel("speed-up over the best peer (peer time / our time)")
     ax.set_title(f"accel kernels on {env['device']} ({env['date']})")
-    return _report.save_figure(fig, f"kernels_{tag}")
+    return _report.save_figure(fig, f"kernels_{tag}", directory)
 
 
 if __name__ == "__main__":
