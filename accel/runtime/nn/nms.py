@@ -1,7 +1,8 @@
 """Non-maximum suppression: nms, nms_normal, soft_nms, batched_soft_nms.
 
-CPU and CUDA tensors run the kernels in csrc/{cpu,cuda}/nms.*; other devices (XLA) run the plain
-PyTorch references below. Half and bfloat16 boxes are computed in float32, float64 in float64.
+CPU and CUDA tensors run the kernels in csrc/{cpu,cuda}/nms.*; tensors on other devices (XLA) go to the
+host for the CPU kernel and come back (one copy each way, said once: see _to_host). The plain PyTorch
+references below are the tests' ground truth. Half and bfloat16 boxes are computed in float32, float64 in float64.
 
 Conventions (shared by kernels and references):
 - Boxes are (x1, y1, x2, y2); area = (x2 - x1) * (y2 - y1), no +1 (torchvision, and mmcv's
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import torch
 
@@ -225,6 +227,24 @@ def _ops():
     return _build.ops("nms", _register)
 
 
+# ------------------------------------------------------------------ devices without kernels (XLA)
+
+_warned_host = False
+
+
+def _to_host(*tensors: torch.Tensor) -> tuple:
+    """NMS is a loop whose every step depends on the data: traced on a lazy device (XLA) it builds and
+    compiles a graph per selected box (20 boxes took 10 s, 200 did not finish in 400 s on the PJRT CPU
+    client). Such inputs go to the host, once each, for the CPU kernel; the caller moves the results
+    back. Said once, since it syncs the device and leaves the graph."""
+    global _warned_host
+    if not _warned_host:
+        _warned_host = True
+        warnings.warn(f"accel nms on {tensors[0].device.type}: the boxes are copied to the host and back (the "
+                      "selection loop cannot stay in the device graph); this syncs the device", stacklevel=3)
+    return tuple(t.cpu() for t in tensors)
+
+
 # ------------------------------------------------------------------ public API
 
 
@@ -238,7 +258,7 @@ def nms(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float) -> torc
     thr = _check_number("iou_threshold", iou_threshold)
     if use_kernel(boxes):
         return _ops().nms(boxes, scores, thr)
-    return nms_reference(boxes, scores, thr)
+    return _ops().nms(*_to_host(boxes, scores), thr).to(boxes.device)
 
 
 def nms_normal(dets: torch.Tensor, iou_threshold: float):
@@ -257,9 +277,12 @@ def soft_nms(dets: torch.Tensor, iou_threshold: float = 0.3, sigma: float = 0.5,
     """
     _check_dets(dets)
     thr, sig, low, code = _check_soft_args(iou_threshold, sigma, min_score, method)
-    if not use_kernel(dets):
-        return soft_nms_reference(dets, thr, sig, low, method)
-    inds, new_scores = _ops().nms_soft(dets[:, :4], dets[:, 4], None, thr, sig, low, code)
+    if use_kernel(dets):
+        inds, new_scores = _ops().nms_soft(dets[:, :4], dets[:, 4], None, thr, sig, low, code)
+    else:
+        (host,) = _to_host(dets)
+        inds, new_scores = (t.to(dets.device) for t in _ops().nms_soft(host[:, :4], host[:, 4], None, thr, sig,
+                                                                        low, code))
     # index_select, not dets[inds, :4]: mixed advanced/slice indexing is ~1000x slower on CPU
     return torch.cat([dets[:, :4].index_select(0, inds), new_scores.to(dets.dtype).unsqueeze(1)], dim=1), inds
 
@@ -282,7 +305,10 @@ def batched_soft_nms(boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tens
     """
     _check_batched(boxes, scores, idxs)
     thr, sig, low, code = _check_soft_args(iou_threshold, sigma, score_threshold, method)
-    if not use_kernel(boxes):
-        return batched_soft_nms_reference(boxes, scores, idxs, thr, sig, low, method)
-    inds, new_scores = _ops().nms_soft(boxes, scores, idxs.long(), thr, sig, low, code)
+    if use_kernel(boxes):
+        inds, new_scores = _ops().nms_soft(boxes, scores, idxs.long(), thr, sig, low, code)
+    else:
+        host_boxes, host_scores, host_idxs = _to_host(boxes, scores, idxs)
+        inds, new_scores = (t.to(boxes.device) for t in _ops().nms_soft(host_boxes, host_scores, host_idxs.long(),
+                                                                         thr, sig, low, code))
     return inds, new_scores.to(scores.dtype)
