@@ -40,32 +40,8 @@ constexpr int64_t kChunk = 32;
 
 // The row loops below are written so that -O3 vectorizes them without -ffast-math: reductions keep
 // kLanes partial results (the compiler may not reorder a single floating-point accumulator) and the
-// exponential is branch-free.
+// exponential is vec::exp, which is branch-free.
 constexpr int64_t kLanes = 8;
-
-// exp(x) for x <= 0 (softmax exponentiates v - max): 2^n * e^r with n = round(x / ln 2) and
-// |r| <= ln(2)/2, e^r by its Taylor series to degree 7 (truncation < 1e-8 relative, about the float
-// rounding error). x < -87 (e^x < 1.7e-38, the bottom of float's normal range) gives 0; NaN stays NaN.
-inline float exp_nonpositive(float x) {
-  const bool underflow = x < -87.0f;
-  x = underflow ? -87.0f : x;
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;   // ln 2 in two parts
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  // 2^n, n in [-126, 0]; a NaN n (from a NaN x, where p is NaN too) must not reach the int conversion
-  const int32_t bits = (static_cast<int32_t>(n >= -126.0f ? n : -126.0f) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return underflow ? 0.0f : p * scale;
-}
-inline double exp_nonpositive(double x) { return std::exp(x); }
 
 template <typename T>
 inline T row_max(const T* v, int64_t n) {
@@ -88,13 +64,13 @@ inline T exp_and_sum(T* v, int64_t n, T mx) {
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
     for (int64_t k = 0; k < kLanes; ++k) {
-      v[j + k] = exp_nonpositive(v[j + k] - mx);
+      v[j + k] = vec::exp(v[j + k] - mx);
       part[k] += v[j + k];
     }
   }
   T sum = 0;
   for (; j < n; ++j) {
-    v[j] = exp_nonpositive(v[j] - mx);
+    v[j] = vec::exp(v[j] - mx);
     sum += v[j];
   }
   for (int64_t k = 0; k < kLanes; ++k) sum += part[k];

@@ -26,7 +26,9 @@ at::Tensor quick_gelu_cpu(const at::Tensor& x_) {
   return y;
 }
 
-// d/dx [x s(a x)] = s + a x s (1 - s)
+// d/dx [x s(a x)] = s + a x s (1 - s), multiplied in the order x s (1 - s) a (that of autograd through
+// x * torch.sigmoid(a * x)): x s and s (1 - s) are 0 wherever s saturates, where a x may already have
+// overflowed (|x| > FLT_MAX / a) and a x s would be inf * 0 = NaN or inf times a subnormal.
 at::Tensor quick_gelu_backward_cpu(const at::Tensor& grad_, const at::Tensor& x_) {
   auto x = x_.contiguous();
   auto grad = grad_.contiguous();
@@ -42,7 +44,7 @@ at::Tensor quick_gelu_backward_cpu(const at::Tensor& grad_, const at::Tensor& x_
           const T* __restrict__ v = in[1];
           for (int64_t i = 0; i < n; ++i) {
             const T s = vec::sigmoid(T(kAlpha) * v[i]);
-            out[i] = g[i] * (s + T(kAlpha) * v[i] * s * (T(1) - s));
+            out[i] = g[i] * (s + v[i] * s * (T(1) - s) * T(kAlpha));
           }
         });
   });

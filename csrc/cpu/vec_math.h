@@ -28,14 +28,38 @@
 namespace accel {
 namespace vec {
 
-// exp(x) for float, |relative error| < 2 ulp on [-87, 88]; saturates outside.
+// `cond ? a : b` without a branch. GCC (with its default -ftrapping-math) keeps a float ternary that
+// feeds further float math as a branch: it threads the constant arm of a clamp through the code that
+// follows, then may not if-convert the floating-point operations left behind on one path (they could
+// trap), and the loop stays scalar. Selecting the bits with a mask leaves nothing to thread.
+C10_ALWAYS_INLINE float select(bool cond, float a, float b) {
+  int32_t ai, bi;
+  std::memcpy(&ai, &a, sizeof(ai));
+  std::memcpy(&bi, &b, sizeof(bi));
+  const int32_t m = -static_cast<int32_t>(cond);
+  const int32_t ri = (ai & m) | (bi & ~m);
+  float r;
+  std::memcpy(&r, &ri, sizeof(r));
+  return r;
+}
+
+// exp(x) for float over float's whole range, the one float exponential of accel's CPU kernels
+// (avx512::exp below is the same method in intrinsics): |relative error| < 2 ulp where the result is
+// a normal float; like std::exp it overflows to inf past ln(FLT_MAX) ~ 88.72, goes through the
+// subnormals to 0 below -87.3, and gives 0 for -inf, inf for inf, NaN for NaN. (Callers such as
+// sigmoid = 1 / (1 + exp(-x)) rely on the overflow: a clamped exp made them saturate at a wrong,
+// finite value.)
 // exp(x) = 2^n * exp(r), n = round(x / ln2), r = x - n ln2 in [-ln2/2, ln2/2] (Cody-Waite split of
 // ln2), exp(r) by a degree-6 minimax polynomial, 2^n assembled in the exponent bits.
 C10_ALWAYS_INLINE float exp(float x) {
-  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+  // Past [-104, 89] the result is 0 or inf whatever the argument, so the math runs on x clamped
+  // there; the clamp also turns NaN into a number (a NaN n would reach the int conversion, which is
+  // undefined behaviour), and NaN is put back at the end.
+  float c = select(x > -104.0f, x, -104.0f);
+  c = select(c < 89.0f, c, 89.0f);
   // round to nearest by the 1.5 * 2^23 trick: floorf/rintf would block vectorization in GCC.
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = x - n * 0.693359375f;
+  const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = c - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -44,10 +68,18 @@ C10_ALWAYS_INLINE float exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  // n in [-150, 128] reaches past a normal float's exponents [-126, 127], so 2^n is applied as two
+  // normal factors 2^h * 2^(n-h), h = floor(n / 2): p * 2^h is exact, and the second product rounds
+  // once, into the subnormals or to inf where the true result lies there.
+  const int32_t ni = static_cast<int32_t>(n);
+  const int32_t h = ni >> 1;  // an arithmetic shift (GCC, Clang): the floor for negative n too
+  const int32_t bits_lo = (h + 127) << 23;
+  const int32_t bits_hi = (ni - h + 127) << 23;
+  float scale_lo, scale_hi;
+  std::memcpy(&scale_lo, &bits_lo, sizeof(scale_lo));
+  std::memcpy(&scale_hi, &bits_hi, sizeof(scale_hi));
+  const float e = (p * scale_lo) * scale_hi;
+  return select(x == x, e, x);
 }
 
 C10_ALWAYS_INLINE double exp(double x) { return __builtin_exp(x); }
@@ -177,9 +209,10 @@ ACCEL_AVX512 inline void store(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bfloat16_bits(v));
 }
 
-// exp(x) lane-wise, the method of vec::exp above (|relative error| < 2 ulp) with fused multiply-adds,
-// and 2^n applied by scalef, which also gives the subnormal results: exp(x) = 0 for x <= -150 (also
-// -inf), inf for x >= 89 (also inf), NaN for NaN.
+// exp(x) lane-wise: vec::exp above with fused multiply-adds and 2^n applied by scalef (which gives the
+// subnormal results and the overflow itself), for kernels written in intrinsics; same results up to
+// the rounding the fused multiply-adds save. exp(x) = 0 for x <= -150 (also -inf), inf for x >= 89
+// (also inf), NaN for NaN.
 ACCEL_AVX512 inline __m512 exp(__m512 x) {
   x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-150.0f), x));  // NaN stays x
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),

@@ -21,7 +21,9 @@ constexpr double kAlpha = 1.702;
 constexpr int kThreads = 256;
 
 // expf, not __expf: the fast intrinsic's error grows with |x| (tens of ulps at |x| ~ 20), and a
-// memory-bound kernel gains nothing from it.
+// memory-bound kernel gains nothing from it. For very negative v, expf(-v) overflows to inf (so does
+// a v itself beyond FLT_MAX / a) and the IEEE division gives s = 0 exactly, hence x s = -0 as in
+// plain PyTorch; a clamped exponential would leave a finite s that x * s scales up.
 __device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
 __device__ __forceinline__ double sigmoid(double v) { return 1.0 / (1.0 + exp(-v)); }
 
@@ -34,14 +36,15 @@ struct QuickGeluForward {
   }
 };
 
-// d/dx [x s(a x)] = s + a x s (1 - s)
+// d/dx [x s(a x)] = s + a x s (1 - s), multiplied as x s (1 - s) a, as the CPU kernel does: where s
+// saturates to 0 or 1 the product is 0 before a x (inf beyond |x| > FLT_MAX / a) can enter it.
 struct QuickGeluBackward {
   static constexpr int kInputs = 2;  // grad, x
   template <typename A>
   __device__ __forceinline__ A operator()(const A* in) const {
     const A g = in[0], v = in[1];
     const A s = sigmoid(A(kAlpha) * v);
-    return g * (s + A(kAlpha) * v * s * (A(1) - s));
+    return g * (s + v * s * (A(1) - s) * A(kAlpha));
   }
 };
 

@@ -323,3 +323,47 @@ def test_cuda_second_device():
     g = torch.randn_like(out)
     out.backward(g)
     torch.testing.assert_close(x.grad, (mask.double() * g.double() / 0.7).half(), **tol(torch.float16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_gradgradcheck_float64(device, p):
+    # the backward regenerates the mask and is linear in the incoming gradient; its own gradient is
+    # the same op. The seed is fixed inside so every evaluation draws the same mask.
+    g = torch.Generator().manual_seed(1)
+    x, bias, residual = (torch.randn(shape, generator=g, dtype=torch.float64).to(device).requires_grad_()
+                         for shape in ((4, 6), (6,), (4, 6)))
+
+    def fn(x, bias, residual):
+        torch.manual_seed(21)
+        return bias_dropout_add(x, bias, residual, p, True)
+
+    assert torch.autograd.gradgradcheck(fn, (x, bias, residual))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gradient_penalty_matches_formula(device, dtype):
+    # loss + |d loss / dx|^2 differentiated again, against the formula with the op's own mask
+    shape, p = (5, 129), 0.3
+    mask = recover_mask(shape, p, seed=22, device=device)
+    x0, bias0, residual0 = inputs(shape, dtype, device, seed=3)
+
+    def grads(fn):
+        x, bias, residual = (t.clone().requires_grad_() for t in (x0, bias0, residual0))
+        out = fn(x, bias, residual)
+        loss = (out.tanh() * out).sum()
+        gx, gb = torch.autograd.grad(loss, (x, bias), create_graph=True)
+        return torch.autograd.grad(loss + gx.square().sum() + gb.square().sum(), (x, bias, residual))
+
+    def ours(x, bias, residual):
+        torch.manual_seed(22)
+        return bias_dropout_add(x, bias, residual, p, True)
+
+    def formula(x, bias, residual):
+        return residual + mask.to(dtype) * (x + bias) / (1 - p)
+
+    # the bias gradients are sums over the rows: a little more than an output ulp in fp32
+    tolerance = tol(dtype) if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+    for o, r in zip(grads(ours), grads(formula)):
+        torch.testing.assert_close(o, r, **tolerance)

@@ -307,3 +307,99 @@ def test_bad_input_names_argument():
         fused_layer_norm(x, 8, eps=-1.0)
     with pytest.raises(ValueError, match="eps"):
         fused_layer_norm(x, 8, eps="small")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
+def test_gradgradcheck_float64(device, affine):
+    # second derivatives against finite differences: they run through the backward's own gradient and,
+    # for x, through the row mean and rstd the forward returns beside y
+    torch.manual_seed(9)
+    x = torch.randn(4, 3, 5, dtype=torch.float64, device=device, requires_grad=True)
+    w = torch.randn(3, 5, dtype=torch.float64, device=device, requires_grad=True)
+    b = torch.randn(3, 5, dtype=torch.float64, device=device, requires_grad=True)
+    params = {"both": (w, b), "weight": (w,), "bias": (b,), "none": ()}[affine]
+
+    def fn(x, *p):
+        weight = p[0] if affine in ("both", "weight") else None
+        bias = p[-1] if affine in ("both", "bias") else None
+        return fused_layer_norm(x, (3, 5), weight, bias)
+
+    assert torch.autograd.gradgradcheck(fn, (x, *params))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_third_derivative_gradcheck_float64(device):
+    torch.manual_seed(10)
+    x = torch.randn(3, 6, dtype=torch.float64, device=device, requires_grad=True)
+    w = torch.randn(6, dtype=torch.float64, device=device, requires_grad=True)
+
+    def first_derivative(x, w):
+        y = fused_layer_norm(x, 6, w, None)
+        return torch.autograd.grad(y.pow(3).sum(), (x, w), create_graph=True)
+
+    # gradcheck checks the second derivatives first_derivative's backward computes, gradgradcheck the third
+    assert torch.autograd.gradcheck(first_derivative, (x, w))
+    assert torch.autograd.gradgradcheck(first_derivative, (x, w))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gradient_penalty_matches_f_layer_norm(device, dtype):
+    # loss + |d loss / dx|^2 + |d loss / dw|^2 (WGAN-GP / R1 style), differentiated again in x, w, b
+    torch.manual_seed(11)
+    x0 = torch.randn(6, 33, dtype=dtype, device=device) * 2 + 1
+    w0 = torch.randn(33, dtype=dtype, device=device)
+    b0 = torch.randn(33, dtype=dtype, device=device)
+    c = torch.randn(6, 33, dtype=dtype, device=device)
+
+    def grads(fn):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        loss = (fn(x, (33,), w, b, 1e-5).tanh() * c).sum()
+        gx, gw = torch.autograd.grad(loss, (x, w), create_graph=True)
+        total = loss + gx.square().sum() + gw.square().sum()
+        return torch.autograd.grad(total, (x, w, b))
+
+    ours, ref = grads(fused_layer_norm), grads(F.layer_norm)
+    for o, r in zip(ours, ref):
+        torch.testing.assert_close(o, r, **(tol(dtype) if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-4}))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_penalty_with_bf16_input_and_fp32_params(device):
+    # mixed precision: the second-order terms are computed in fp32 from bf16 x, like the first-order ones
+    torch.manual_seed(12)
+    x0 = torch.randn(4, 64, device=device).bfloat16()
+    w0 = torch.randn(64, device=device)
+    c = torch.randn(4, 64, device=device)
+
+    def grads(x0, fn):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss = (fn(x, (64,), w, None, 1e-5).float().tanh() * c).sum()
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        return torch.autograd.grad(loss + gx.float().square().sum(), (x, w))
+
+    ours = grads(x0, fused_layer_norm)
+    ref = grads(x0.float(), F.layer_norm)
+    assert ours[0].dtype == torch.bfloat16 and ours[1].dtype == torch.float32
+    torch.testing.assert_close(ours[0].float(), ref[0], rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(ours[1], ref[1], rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_op_gradient_takes_mean_and_rstd_as_inputs(device):
+    # layer_norm_bwd's own gradient, with mean and rstd free inputs (the chain from them to x is the
+    # forward op's): a wrong split between the two would still pass a check of the composition alone
+    from accel.runtime.nn.layer_norm import _ops
+
+    torch.manual_seed(13)
+    d = {"dtype": torch.float64, "device": device, "requires_grad": True}
+    dy, x, w, b = torch.randn(4, 6, **d), torch.randn(4, 6, **d), torch.randn(6, **d), torch.randn(6, **d)
+    mean, rstd = torch.randn(4, **d), (torch.rand(4, dtype=torch.float64, device=device) + 0.5).requires_grad_()
+
+    def bwd(dy, x, mean, rstd, w):
+        return _ops().layer_norm_bwd(dy, x, mean, rstd, w, b.detach(), 1, True, True)
+
+    assert torch.autograd.gradcheck(bwd, (dy, x, mean, rstd, w))
+    assert torch.autograd.gradcheck(lambda dy, x, mean, rstd: _ops().layer_norm_bwd(
+        dy, x, mean, rstd, None, None, 1, False, False)[0], (dy, x, mean, rstd))

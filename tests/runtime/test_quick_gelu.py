@@ -64,7 +64,7 @@ def test_bad_input_names_argument():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_extreme_values_saturate_without_nan(dtype):
-    # the CPU kernel's own exp clamps its argument; outside the clamp the result must still be exact
+    # the CPU kernel's own exp must saturate as std::exp does: to inf above ~88.72, to 0 below ~-104
     x = torch.tensor([-1e4, -100.0, -60.0, -1e-30, 0.0, 1e-30, 60.0, 100.0, 1e4], dtype=dtype)
     torch.testing.assert_close(quick_gelu(x), quick_gelu_reference(x), rtol=1e-5, atol=1e-30)
 
@@ -126,3 +126,88 @@ def test_cuda_tensor_on_a_second_device():
         y = quick_gelu(x.to("cuda:1"))
     assert y.device == torch.device("cuda:1")
     torch.testing.assert_close(y.cpu(), _by_hand(x.double()).float(), **tol(torch.float32))
+
+
+# Inputs where the exponential in sigmoid(1.702 x) overflows or underflows: past ln(max) the kernels'
+# exp must give inf (so sigmoid is exactly 0 and x * 0 = -0), not a clamped finite value.
+def _extreme_values(dtype):
+    fi = torch.finfo(dtype)
+    vals = [fi.max, -fi.max, 1e30, -1e30, 1e4, -1e4, 100.0, -100.0, 60.0, -60.0, 52.0, -52.0, 51.9, -51.9,
+            fi.tiny, -fi.tiny, fi.tiny / 4, 1e-30, -1e-30, 0.0, -0.0, float("inf"), float("-inf"), float("nan")]
+    vals += torch.linspace(88.0, 90.0, 17).tolist() + torch.linspace(-90.0, -88.0, 17).tolist()
+    return torch.tensor(vals, dtype=torch.float64).to(dtype)  # out-of-range values become +-inf in fp16
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_extreme_values_match_plain_pytorch(device, dtype):
+    x = _extreme_values(dtype).to(device).requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    y, yr = quick_gelu(x), quick_gelu_reference(xr)
+    torch.testing.assert_close(y, yr, equal_nan=True, **tol(dtype))
+    y.backward(torch.ones_like(y))
+    yr.backward(torch.ones_like(yr))
+    torch.testing.assert_close(x.grad, xr.grad, equal_nan=True, **tol(dtype))
+    finite = torch.isfinite(x.detach())
+    assert torch.isfinite(y[finite]).all() and torch.isfinite(x.grad[finite]).all()
+    xd, yd = x.detach(), y.detach()
+    # the limits: 0 far left (value and gradient), x far right; -inf gives NaN or -0, never -inf
+    far_left = xd == -torch.finfo(dtype).max
+    assert (yd[far_left] == 0).all() and (x.grad[far_left] == 0).all()
+    assert (yd[xd == float("inf")] == float("inf")).all()
+    at_neg_inf = yd[xd == float("-inf")]
+    assert (torch.isnan(at_neg_inf) | (at_neg_inf == 0)).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_sweep_across_the_exp_overflow(device):
+    # 1.702 x over [-105, 105]: every exponent the kernels' exp reaches, its overflow at 88.72 and its
+    # subnormal results below -87.3 included. atol 1e-40: past the overflow sigmoid is exactly 0 in
+    # both (a clamped exp left x s ~ -2.7e-37 there); just before it, s is subnormal and may differ
+    # by a few of its smallest steps, times |x| < 62.
+    x = torch.linspace(-62.0, 62.0, 200_001, device=device).requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    y, yr = quick_gelu(x), quick_gelu_reference(xr)
+    torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-40)
+    y.backward(torch.ones_like(y))
+    yr.backward(torch.ones_like(yr))
+    # relative where the gradient is tiny (the far left), absolute around its zero (x ~ -0.75), where
+    # s + a x s (1 - s) cancels in both computations
+    tails = x.detach().abs() > 4
+    torch.testing.assert_close(x.grad[tails], xr.grad[tails], rtol=1e-5, atol=1e-40)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradgradcheck_float64(device):
+    # the second derivative (and, through the graph of the first, the third) against finite differences
+    torch.manual_seed(5)
+    x = (torch.randn(4, 9, dtype=torch.float64, device=device) * 3).requires_grad_()
+    assert torch.autograd.gradgradcheck(quick_gelu, (x,))
+
+    def first_derivative(t):
+        return torch.autograd.grad(quick_gelu(t).pow(3).sum(), t, create_graph=True)[0]
+
+    assert torch.autograd.gradcheck(first_derivative, (x,))
+    assert torch.autograd.gradgradcheck(first_derivative, (x,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_gradient_penalty_matches_plain_pytorch(device, dtype):
+    # loss + |d loss / dx|^2, differentiated again: needs the backward's own gradient
+    torch.manual_seed(6)
+    x0 = (torch.randn(3, 257, device=device) * 3).to(dtype)
+    c = torch.randn(3, 257, device=device).to(dtype)
+
+    def grads(fn):
+        x = x0.clone().requires_grad_()
+        loss = (fn(x) * c).sum()
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        total = loss + gx.float().square().sum()
+        return torch.autograd.grad(total, x)[0]
+
+    # the reference with fp32 math for fp16/bf16, as the kernels compute; loose where bf16 rounds the
+    # first derivative (which the second-order term is built from) differently in the two paths
+    tolerance = {"rtol": 5e-2, "atol": 5e-2} if dtype == torch.bfloat16 else tol(dtype)
+    torch.testing.assert_close(grads(quick_gelu), grads(quick_gelu_reference), **tolerance)

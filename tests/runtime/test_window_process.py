@@ -242,3 +242,30 @@ def test_cuda_second_device():
     assert windows.device == x.device
     assert torch.equal(windows, window_process_reference(x, -3, 7))
     assert torch.equal(WindowProcessReverse.apply(windows, 2, 14, 21, 5, 3, 7), x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradgradcheck_float64(device):
+    # each op's gradient is the other op, whose own gradient is registered: second (and higher)
+    # derivatives of anything built on them are exact
+    x = torch.randn(2, 6, 9, 3, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda t: WindowProcess.apply(t, 2, 6, 9, 3, -1, 3), (x,))
+    w = torch.randn(12, 3, 3, 3, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda t: WindowProcessReverse.apply(t, 2, 6, 9, 3, 2, 3), (w,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_penalty_matches_reference(device):
+    torch.manual_seed(3)
+    x0 = torch.randn(2, 8, 12, 5, device=device)
+    c = torch.randn(12, 4, 4, 5, device=device)
+
+    def grads(partition):
+        x = x0.clone().requires_grad_()
+        loss = (partition(x).tanh() * c).sum()
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        return torch.autograd.grad(loss + gx.square().sum(), x)[0]
+
+    ours = grads(lambda x: WindowProcess.apply(x, 2, 8, 12, 5, -2, 4))
+    ref = grads(lambda x: window_process_reference(x, -2, 4))
+    torch.testing.assert_close(ours, ref)

@@ -54,7 +54,8 @@ def _check(x, bias, residual, prob, x_name="x", residual_name="residual", prob_n
 
 
 def _register():
-    """Output shapes for torch.compile, and the gradient: the mask regenerated from rng_state."""
+    """Output shapes for torch.compile, and the gradients (of the forward op and of the backward op):
+    the mask regenerated from rng_state."""
 
     def fake_fwd(x, bias, residual, p, train):
         return torch.empty_like(x.contiguous()), torch.empty(2, dtype=torch.int64, device=x.device)
@@ -84,6 +85,20 @@ def _register():
         return grad_x, grad_bias, grad_out, None, None
 
     torch.library.register_autograd("accel::bias_dropout_add_fwd", backward, setup_context=setup_context)
+
+    # bias_dropout_add_bwd(g) = mask * g / (1 - p) is linear in g and scales each element by itself,
+    # so its gradient is the same op on the incoming gradient. Registered so that create_graph=True
+    # (double backward, gradient penalties) differentiates it rather than taking it as a constant.
+    def bwd_setup_context(ctx, inputs, output):
+        _grad, rng_state, p = inputs
+        ctx.p = float(p)
+        ctx.save_for_backward(rng_state)
+
+    def bwd_backward(ctx, grad_dx):
+        (rng_state,) = ctx.saved_tensors
+        return torch.ops.accel.bias_dropout_add_bwd(grad_dx, rng_state, ctx.p), None, None
+
+    torch.library.register_autograd("accel::bias_dropout_add_bwd", bwd_backward, setup_context=bwd_setup_context)
 
 
 def _ops():

@@ -52,7 +52,9 @@ def fmha_backward_reference(grad: torch.Tensor, out: torch.Tensor) -> tuple[torc
 
 
 def _register():
-    """Output shapes for torch.compile, and the gradient of the raw forward op."""
+    """Output shapes for torch.compile, and the gradients of the forward op and of the backward op,
+    the latter so that create_graph=True (double backward, gradient penalties) differentiates the
+    backward rather than taking it as a constant."""
     torch.library.register_fake("accel::fmha_swin_fwd")(
         lambda attn, bias, mask, window_num: torch.empty_like(attn.contiguous()))
 
@@ -72,6 +74,39 @@ def _register():
         return dx, dbias.to(ctx.bias_dtype), None, None
 
     torch.library.register_autograd("accel::fmha_swin_fwd", backward, setup_context=setup_context)
+
+    def bwd_setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+        ctx.set_materialize_grads(False)
+
+    def bwd_backward(ctx, grad_dx, grad_dbias):
+        grad, out = ctx.saved_tensors
+        return _bwd_backward(grad, out, grad_dx, grad_dbias, ctx.needs_input_grad)
+
+    torch.library.register_autograd("accel::fmha_swin_bwd", bwd_backward, setup_context=bwd_setup_context)
+
+
+def _bwd_backward(grad, out, grad_dx, grad_dbias, needs_input_grad):
+    """Gradients of fmha_swin_bwd's (dx, dbias) with respect to grad and out, in differentiable torch
+    ops (so third and higher derivatives follow by autograd). dx = y (g - s), s = sum_j(g y), and dbias
+    is dx summed over the windows, so an upstream u = grad_dx + grad_dbias (broadcast over the windows)
+    of dx gives
+        d/dg = y (u - sum_j(u y))            (the softmax backward again),
+        d/dy = u (g - s) - g sum_j(u y).
+    """
+    ct = _opmath(out.dtype)
+    u = grad_dx.to(ct) if grad_dx is not None else None
+    if grad_dbias is not None:
+        u = grad_dbias.to(ct).expand(out.shape) if u is None else u + grad_dbias.to(ct)
+    if u is None:
+        return None, None
+    y, g = out.to(ct), grad.to(ct)
+    uy = (u * y).sum(-1, keepdim=True)
+    d_grad = (y * (u - uy)).to(grad.dtype) if needs_input_grad[0] else None
+    d_out = None
+    if needs_input_grad[1]:
+        d_out = (u * (g - (g * y).sum(-1, keepdim=True)) - g * uy).to(out.dtype)
+    return d_grad, d_out
 
 
 def _ops():
@@ -117,28 +152,20 @@ def _check(attn, bias, mask, batch_size, window_num, num_head, window_len) -> No
                          f"got {tuple(mask.shape)}")
 
 
-class FusedSwinFmha(torch.autograd.Function):
-    """softmax(attn + relative_pos_bias + attn_mask, -1) for Swin window attention; see the module doc."""
+class FusedSwinFmha:
+    """softmax(attn + relative_pos_bias + attn_mask, -1) for Swin window attention; see the module doc.
+
+    Called as FusedSwinFmha.apply(...), the interface of the torch.autograd.Function it once was. The
+    gradient is the one registered for the kernel op with torch.library (which composes with
+    torch.compile and higher-order autograd), or plain autograd through the reference elsewhere.
+    """
 
     @staticmethod
-    def forward(ctx, attn, relative_pos_bias, attn_mask, batch_size, window_num, num_head, window_len):
+    def apply(attn, relative_pos_bias, attn_mask, batch_size, window_num, num_head, window_len):
         _check(attn, relative_pos_bias, attn_mask, batch_size, window_num, num_head, window_len)
         window_num = operator.index(window_num)
-        ctx.kernel = _kernel_for(attn)
-        ctx.bias_dtype = relative_pos_bias.dtype
-        if ctx.kernel:
-            out = _ops().fmha_swin_fwd(attn, relative_pos_bias, attn_mask, window_num)
-        else:
-            out = fmha_reference(attn, relative_pos_bias, attn_mask, window_num)
-        ctx.save_for_backward(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        (out,) = ctx.saved_tensors
-        if ctx.kernel:
-            dx, dbias = _ops().fmha_swin_bwd(grad, out)
-        else:
-            dx, dbias = fmha_backward_reference(grad, out)
-        dbias = dbias.to(ctx.bias_dtype) if ctx.needs_input_grad[1] else None
-        return (dx if ctx.needs_input_grad[0] else None), dbias, None, None, None, None, None
+        if _kernel_for(attn):
+            return _ops().fmha_swin_fwd(attn, relative_pos_bias, attn_mask, window_num)
+        # detached: the mask gets no gradient on the kernel path either
+        mask = attn_mask.detach() if attn_mask is not None else None
+        return fmha_reference(attn, relative_pos_bias, mask, window_num)

@@ -58,8 +58,88 @@ def _stat_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _add(a, b):
+    return b if a is None else a + b
+
+
+def _stats_backward(x, mean, rstd, grad_mean, grad_rstd):
+    """The gradient of x through the row statistics, mean = sum(x) / D and rstd = (var + eps)^-1/2:
+    d mean / dx = 1 / D, d rstd / dx = -rstd^3 (x - mean) / D. In mean's dtype (fp32, fp64 for fp64 x)."""
+    M = mean.numel()
+    D = x.numel() // M if M else 0
+    out = None
+    if grad_mean is not None:
+        out = (grad_mean.reshape(M, 1) / D).expand(M, D)
+    if grad_rstd is not None:
+        r = rstd.reshape(M, 1)
+        xc = x.reshape(M, D).to(mean.dtype) - mean.reshape(M, 1)
+        out = _add(out, grad_rstd.reshape(M, 1) * (-(r * r * r) / D) * xc)
+    return out.reshape(x.shape)
+
+
+def _bwd_backward(dy, x, mean, rstd, weight, need_dw, need_db, grad_dx, grad_dw, grad_db, needs_input_grad):
+    """Gradients of layer_norm_bwd's (dx, dw, db) with respect to its inputs dy, x, mean, rstd, weight,
+    each taken as independent (the chain through mean and rstd to x is _stats_backward, in the forward
+    op's gradient). In differentiable torch ops, so third and higher derivatives follow by autograd.
+
+    Per row, with g = w dy, xhat = (x - mean) rstd, A = mean_j(g), B = mean_j(g xhat):
+        dx = rstd (g - A - xhat B),  dw = sum_rows dy xhat,  db = sum_rows dy.
+    For an upstream U of dx, with U_ = mean_j(U), C = mean_j(U xhat):
+        d/dg = rstd (U - U_ - C xhat),  d/dxhat = -rstd (C g + B U),  d/drstd (the leading factor) =
+        sum_j U (g - A - xhat B);
+    then xhat = (x - mean) rstd carries d/dxhat to x, mean and rstd.
+    """
+    ct = mean.dtype
+    M = mean.numel()
+    D = x.numel() // M if M else 0
+    x2 = x.reshape(M, D).to(ct)
+    dy2 = dy.reshape(M, D).to(ct)
+    mu = mean.reshape(M, 1)
+    r = rstd.reshape(M, 1)
+    xc = x2 - mu
+    xhat = xc * r
+    w = weight.reshape(1, D).to(ct) if weight is not None else None
+    g = dy2 * w if w is not None else dy2
+
+    d_g = d_xhat = d_r = d_dy = None
+    if grad_dx is not None:
+        U = grad_dx.reshape(M, D).to(ct)
+        A = g.mean(1, keepdim=True)
+        B = (g * xhat).mean(1, keepdim=True)
+        C = (U * xhat).mean(1, keepdim=True)
+        d_g = r * (U - U.mean(1, keepdim=True) - C * xhat)
+        d_xhat = -r * (C * g + B * U)
+        d_r = (U * (g - A - xhat * B)).sum(1, keepdim=True)
+        d_dy = d_g * w if w is not None else d_g
+    if grad_dw is not None and need_dw:
+        vw = grad_dw.reshape(1, D).to(ct)
+        d_dy = _add(d_dy, vw * xhat)
+        d_xhat = _add(d_xhat, vw * dy2)
+    if grad_db is not None and need_db:
+        d_dy = _add(d_dy, grad_db.reshape(1, D).to(ct).expand(M, D))
+
+    d_x = d_mean = None
+    if d_xhat is not None:
+        d_x = d_xhat * r
+        d_mean = -d_x.sum(1)
+        d_r = _add(d_r, (d_xhat * xc).sum(1, keepdim=True))
+    d_w = None
+    if d_g is not None and w is not None:
+        d_w = (d_g * dy2).sum(0)
+
+    def out(t, like, i):
+        return t.reshape(like.shape).to(like.dtype) if t is not None and needs_input_grad[i] else None
+
+    return (out(d_dy, dy, 0), out(d_x, x, 1), out(d_mean, mean, 2), out(d_r, rstd, 3), out(d_w, weight, 4))
+
+
 def _register():
-    """Teach torch.library the kernels' output shapes (for torch.compile) and gradient."""
+    """Teach torch.library the kernels' output shapes (for torch.compile) and gradients.
+
+    layer_norm_fwd's mean and rstd are differentiable outputs and layer_norm_bwd has a gradient of its
+    own, so that create_graph=True (double backward, gradient penalties) differentiates the backward
+    rather than taking it as a constant: the second derivative in x runs through mean and rstd too.
+    Outside such graphs nothing uses mean and rstd, and their gradients stay None (not materialized)."""
 
     @torch.library.register_fake("accel::layer_norm_fwd")
     def _fwd_fake(x, weight, bias, normalized_ndim, eps):
@@ -83,17 +163,36 @@ def _register():
         _y, mean, rstd = output
         ctx.save_for_backward(x, mean, rstd, weight, bias)
         ctx.normalized_ndim = normalized_ndim
-        ctx.mark_non_differentiable(mean, rstd)
+        ctx.set_materialize_grads(False)
 
-    def backward(ctx, grad_y, _grad_mean, _grad_rstd):
+    def backward(ctx, grad_y, grad_mean, grad_rstd):
         x, mean, rstd, weight, bias = ctx.saved_tensors
         need_dw = weight is not None and ctx.needs_input_grad[1]
         need_db = bias is not None and ctx.needs_input_grad[2]
-        dx, dw, db = torch.ops.accel.layer_norm_bwd(
-            grad_y, x, mean, rstd, weight, bias, ctx.normalized_ndim, need_dw, need_db)
+        dx = dw = db = None
+        if grad_y is not None:
+            dx, dw, db = torch.ops.accel.layer_norm_bwd(
+                grad_y, x, mean, rstd, weight, bias, ctx.normalized_ndim, need_dw, need_db)
+        if grad_mean is not None or grad_rstd is not None:
+            stats = _stats_backward(x, mean, rstd, grad_mean, grad_rstd)
+            dx = (stats if dx is None else dx.to(stats.dtype) + stats).to(x.dtype)
         return dx, (dw if need_dw else None), (db if need_db else None), None, None
 
     torch.library.register_autograd("accel::layer_norm_fwd", backward, setup_context=setup_context)
+
+    def bwd_setup_context(ctx, inputs, output):
+        dy, x, mean, rstd, weight, _bias, _normalized_ndim, need_dw, need_db = inputs
+        ctx.save_for_backward(dy, x, mean, rstd, weight)
+        ctx.need_dw, ctx.need_db = need_dw, need_db
+        ctx.set_materialize_grads(False)
+
+    def bwd_backward(ctx, grad_dx, grad_dw, grad_db):
+        dy, x, mean, rstd, weight = ctx.saved_tensors
+        grads = _bwd_backward(dy, x, mean, rstd, weight, ctx.need_dw, ctx.need_db,
+                              grad_dx, grad_dw, grad_db, ctx.needs_input_grad)
+        return (*grads, None, None, None, None)
+
+    torch.library.register_autograd("accel::layer_norm_bwd", bwd_backward, setup_context=bwd_setup_context)
 
 
 def _ops():

@@ -14,14 +14,31 @@ from accel.runtime.nn._common import check_tensor, use_kernel
 ALPHA = 1.702
 
 
+def _opmath(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def quick_gelu_reference(x: torch.Tensor) -> torch.Tensor:
     """Plain PyTorch: the definition, computed in fp32 for reduced-precision inputs."""
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    xf = _opmath(x)
     return (xf * torch.sigmoid(ALPHA * xf)).to(x.dtype)
 
 
+def _second_derivative(x: torch.Tensor) -> torch.Tensor:
+    """d^2/dx^2 [x s(a x)] = a s (1 - s) (2 + a x (1 - 2 s)), in differentiable torch ops (in fp32 for
+    fp16/bf16 x), so that third and higher derivatives follow by autograd. Multiplied as
+    a (2 t + a (x t) (1 - 2 s)) with t = s (1 - s): t is 0 wherever s saturates, before a x (inf for
+    |x| > max / a) can make inf * 0 = NaN of a finite input."""
+    xf = _opmath(x)
+    s = torch.sigmoid(ALPHA * xf)
+    t = s * (1 - s)
+    return ALPHA * (2 * t + ALPHA * (xf * t) * (1 - 2 * s))
+
+
 def _register():
-    """Teach torch.library the kernels' output shapes (for torch.compile) and gradient."""
+    """Teach torch.library the kernels' output shapes (for torch.compile) and gradients: that of the
+    forward op is the backward op, and the backward op has its own, so create_graph=True (double
+    backward, gradient penalties) differentiates through it instead of treating it as a constant."""
     torch.library.register_fake("accel::quick_gelu")(lambda x: torch.empty_like(x.contiguous()))
     torch.library.register_fake("accel::quick_gelu_backward")(
         lambda grad, x: torch.empty_like(x.contiguous()))
@@ -34,6 +51,23 @@ def _register():
         return torch.ops.accel.quick_gelu_backward(grad, x)
 
     torch.library.register_autograd("accel::quick_gelu", backward, setup_context=setup_context)
+
+    # quick_gelu_backward(g, x) = g f'(x): linear in g, whose gradient is therefore the same op again,
+    # and g f''(x) in x.
+    def backward_setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def backward_backward(ctx, grad_dx):
+        grad, x = ctx.saved_tensors
+        d_grad = d_x = None
+        if ctx.needs_input_grad[0]:
+            d_grad = torch.ops.accel.quick_gelu_backward(grad_dx, x)
+        if ctx.needs_input_grad[1]:
+            d_x = (_opmath(grad_dx) * _opmath(grad) * _second_derivative(x)).to(x.dtype)
+        return d_grad, d_x
+
+    torch.library.register_autograd("accel::quick_gelu_backward", backward_backward,
+                                    setup_context=backward_setup_context)
 
 
 def _ops():

@@ -120,39 +120,30 @@ def _reverse(windows, H, W, shift, ws):
     return window_process_reverse_reference(windows, H, W, shift, ws)
 
 
-class WindowProcess(torch.autograd.Function):
+# Plain classes called as WindowProcess.apply(...), the interface of the torch.autograd.Function each
+# once was: the gradient is the one registered for the kernel ops with torch.library (which composes
+# with torch.compile and higher-order autograd), or plain autograd through the reference elsewhere.
+class WindowProcess:
     """windows = window_partition(torch.roll(x, (shift_size, shift_size), (1, 2)), window_size)."""
 
     @staticmethod
-    def forward(ctx, x, B, H, W, C, shift_size, window_size):
+    def apply(x, B, H, W, C, shift_size, window_size):
         B, H, W, C, shift, ws = _check_geometry(B, H, W, C, shift_size, window_size)
         check_tensor("x", x, ndim=4)
         if tuple(x.shape) != (B, H, W, C):
             raise ValueError(f"x: expected shape (B, H, W, C) = {(B, H, W, C)}, got {tuple(x.shape)}")
-        ctx.geometry = (H, W, shift, ws)
         return _partition(x, H, W, shift, ws)
 
-    @staticmethod
-    def backward(ctx, grad):
-        H, W, shift, ws = ctx.geometry
-        return _reverse(grad, H, W, -shift, ws), None, None, None, None, None, None
 
-
-class WindowProcessReverse(torch.autograd.Function):
+class WindowProcessReverse:
     """x = torch.roll(window_reverse(windows, window_size, H, W), (shift_size, shift_size), (1, 2))."""
 
     @staticmethod
-    def forward(ctx, windows, B, H, W, C, shift_size, window_size):
+    def apply(windows, B, H, W, C, shift_size, window_size):
         B, H, W, C, shift, ws = _check_geometry(B, H, W, C, shift_size, window_size)
         check_tensor("windows", windows, ndim=4)
         expected = (B * (H // ws) * (W // ws), ws, ws, C)
         if tuple(windows.shape) != expected:
             raise ValueError(f"windows: expected shape (B*nW, window_size, window_size, C) = {expected}, "
                              f"got {tuple(windows.shape)}")
-        ctx.geometry = (H, W, shift, ws)
         return _reverse(windows, H, W, shift, ws)
-
-    @staticmethod
-    def backward(ctx, grad):
-        H, W, shift, ws = ctx.geometry
-        return _partition(grad, H, W, -shift, ws), None, None, None, None, None, None
