@@ -439,8 +439,9 @@ def setup_peer(ctx: Context) -> Run:
 
 
 def setup_accel_kernels(ctx: Context) -> Run:
-    from accel.runtime import hooks
     from transformers import BertForSequenceClassification
+
+    from accel.runtime import hooks
 
     # The hooks act when modules and optimizers are constructed: build both while they are on.
     hooks.enable_fused_layer_norm()

@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import _report  # noqa: E402
-from benchmarks import kernel_cases  # noqa: E402
+from benchmarks import _report, kernel_cases  # noqa: E402
 
 
 def _sync(device: str) -> None:

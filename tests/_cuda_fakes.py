@@ -17,7 +17,6 @@ from accel.utils.batch import iter_tensors
 from tests._datasets import Pair
 
 
-
 @dataclasses.dataclass
 class Sample:
     image: torch.Tensor

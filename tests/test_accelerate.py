@@ -1,6 +1,7 @@
 """accel.accelerate(): each backend present here, config errors, precision choice, kernels, gc, compile,
 and static-shape loaders, against the same model trained plainly."""
 import copy
+import importlib
 import pickle
 import warnings
 
@@ -9,9 +10,7 @@ import torch
 from torch import nn
 
 import accel
-import importlib
 import accel.utils.cpu as cpu_module
-
 from accel.checkpoint import checkpoint_plan
 from accel.compiler.optimizer import has_compiled_step, uses_fused_kernel
 from accel.config import Config

@@ -19,8 +19,7 @@ from torch import nn
 
 import accel
 import accel.checkpoint as checkpoint_module
-from accel.checkpoint import (activation_bytes, auto_checkpoint, checkpoint_plan, find_repeated_blocks,
-                              remove_checkpoint)
+from accel.checkpoint import activation_bytes, auto_checkpoint, checkpoint_plan, find_repeated_blocks, remove_checkpoint
 from accel.utils.xla import xla_available
 
 B, D, H, N = 4, 6, 10, 5  # batch, block width, hidden width of a block, blocks

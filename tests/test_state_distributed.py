@@ -155,8 +155,9 @@ def _resume_matches(kind: str, out: str) -> None:
 
 
 def _async_save_waits(out: str) -> None:
-    import accel.state
     from torch.distributed.checkpoint import FileSystemWriter
+
+    import accel.state
 
     gate = threading.Event()
 

@@ -23,7 +23,6 @@ from torch import Tensor
 
 from .syncfree._functional import skip_mask
 
-
 _MISSING = object()
 
 

@@ -1,8 +1,8 @@
 """How much of a padded batch is padding, before and after packing or bucketing."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 

@@ -13,7 +13,6 @@ import warnings
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 
 
-
 class ShardedBatchSampler(Sampler):
     """Every world_size-th batch of `batch_sampler`, starting at `rank`; the tail that not every rank
     would get is dropped, so all ranks run the same number of steps (a rank waiting in a collective for

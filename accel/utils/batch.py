@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
+
 # The CUDA primitives of the side-stream copy are looked up as names of this module, so that the order of
 # the calls can be checked on machines without a GPU. All of them import without CUDA.
 from torch.cuda import Event, Stream, current_stream

@@ -1,7 +1,11 @@
 import torch
 
-from accel.runtime.nn.window_process import (WindowProcess, WindowProcessReverse, window_process_reference,
-                                             window_process_reverse_reference)
+from accel.runtime.nn.window_process import (
+    WindowProcess,
+    WindowProcessReverse,
+    window_process_reference,
+    window_process_reverse_reference,
+)
 
 from . import Case
 

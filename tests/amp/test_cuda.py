@@ -7,7 +7,7 @@ import torch
 from accel.amp import GradScaler, autocast, syncfree
 
 from ._sync_guard import ForbidHostReads
-from .test_syncfree import CASES, CASE_IDS, _run
+from .test_syncfree import CASE_IDS, CASES, _run
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

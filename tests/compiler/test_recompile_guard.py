@@ -386,7 +386,7 @@ def test_xla_guard_names_the_changed_input_and_lists_it_in_metrics(capsys):
         warnings.simplefilter("always")
         for n in (8, 8, 8, 11, 8):
             b = {"x": torch.ones(2, n, 4).to(dev)}
-            out = layer(b["x"]).sum()  # kept alive: sync() compiles only graphs of live tensors
+            _alive = layer(b["x"]).sum()  # kept alive: sync() compiles only graphs of live tensors
             xm.sync()  # XLA compiles here
             guard.step(b)
     delta = xm.metrics() - before
@@ -417,7 +417,7 @@ def test_xla_hooked_module_names_the_forward_argument():
         warnings.simplefilter("always")
         with guard_module(layer, warmup_steps=2) as guard:
             for rows in (6, 6, 6, 9):
-                out = layer(torch.ones(rows, 4).to(dev)).sum()  # kept alive, so that sync() compiles it
+                _alive = layer(torch.ones(rows, 4).to(dev)).sum()  # kept alive, so that sync() compiles it
                 xm.sync()
     messages = [str(w.message) for w in caught if issubclass(w.category, RecompileWarning)]
     assert guard.backend == "xla"

@@ -6,7 +6,6 @@ For each mode (one launch runs several: starting processes costs more than train
 tests/distributed/_model.TinyNet through accel.accelerate() and writes OUT_DIR/<MODE>.pt from rank 0:
 the full (gathered) state dict, the communication counts and the sample ids every rank saw.
 """
-import json
 import os
 import sys
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from accel.runtime.optim import FusedAdam, FusedAdamW
-from accel.utils.xla import mark_step, require_xla, xla_available
 from accel.runtime.optim.fused_adam import adam_reference, fused_adam_step
+from accel.utils.xla import mark_step, require_xla, xla_available
 
 from ._params import DEVICES, DTYPES, NO_CUDA, tol
 

@@ -2,14 +2,20 @@ import math
 import warnings
 
 import numpy as np
-
 import pytest
 import torch
 import torchvision
 
 from accel.runtime.nn.nms import _ops as nms_ops
-from accel.runtime.nn.nms import (batched_soft_nms, batched_soft_nms_reference, nms, nms_normal, nms_reference,
-                                  soft_nms, soft_nms_reference)
+from accel.runtime.nn.nms import (
+    batched_soft_nms,
+    batched_soft_nms_reference,
+    nms,
+    nms_normal,
+    nms_reference,
+    soft_nms,
+    soft_nms_reference,
+)
 from accel.utils.xla import xla_available
 
 from ._params import DEVICES, NO_CUDA, tol

@@ -11,8 +11,13 @@ from torch.utils.data import DataLoader
 from accel.runtime.io.prefetcher import Prefetcher, _Worker
 from accel.utils.batch import iter_tensors, move_to_device
 from accel.utils.xla import xla_available
-from tests._cuda_fakes import (CudaFakes, Sample, assert_copied_on_side_stream_of_cuda1, event_after,
-                               nested_batches_one_pinned)
+from tests._cuda_fakes import (
+    CudaFakes,
+    Sample,
+    assert_copied_on_side_stream_of_cuda1,
+    event_after,
+    nested_batches_one_pinned,
+)
 from tests._datasets import BrokenSample, Numbers
 
 

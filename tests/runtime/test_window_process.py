@@ -3,9 +3,14 @@ import os
 import pytest
 import torch
 
-from accel.runtime.nn.window_process import (WindowProcess, WindowProcessReverse, window_partition,
-                                             window_process_reference, window_process_reverse_reference,
-                                             window_reverse)
+from accel.runtime.nn.window_process import (
+    WindowProcess,
+    WindowProcessReverse,
+    window_partition,
+    window_process_reference,
+    window_process_reverse_reference,
+    window_reverse,
+)
 from accel.utils.xla import xla_available
 
 from ._params import DEVICES, DTYPES

@@ -1,7 +1,6 @@
 """Adam whose step can be skipped on the device (found_inf) without a host sync."""
 from __future__ import annotations
 
-
 import torch
 
 from accel.utils import checks

@@ -1,7 +1,6 @@
 """SGD (momentum, Nesterov) whose step can be skipped on the device without a host sync."""
 from __future__ import annotations
 
-
 import torch
 
 from accel.utils import checks

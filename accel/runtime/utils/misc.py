@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
+
 # Looked up as names of this module, so the order of the stream calls can be checked on machines
 # without a GPU (tests/runtime/test_multi_apply.py swaps in recording fakes). All import without CUDA.
 from torch.cuda import Stream, current_stream
