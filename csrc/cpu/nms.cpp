@@ -21,9 +21,43 @@ namespace {
 
 using namespace nms_common;
 
+// Whether waking the thread pool pays depends on whether other processes hold the cores, which cannot
+// be known in advance: on a busy machine every parallel section waits for a thread the OS has not
+// scheduled (gaussian soft-NMS of 20k boxes took 12.5-16 s with the second core busy, 1.8 s on one
+// thread). So the loops measure: a RoundTimer times rounds run both ways, runs the cheaper per unit of
+// work, and re-times the other way every `retime` rounds, following load that changes while it runs.
+class RoundTimer {
+ public:
+  explicit RoundTimer(int64_t retime) : retime_(retime) {}
+
+  bool parallel_next(int64_t round) const {
+    if (samples_[0] < 2 || samples_[1] < 2) return round % 2 == 1;  // try both ways first
+    const bool faster = cost_[1] < cost_[0];
+    return round % retime_ == 0 ? !faster : faster;
+  }
+
+  template <typename F>
+  void time(bool parallel, int64_t work, F&& round) {
+    const auto t0 = std::chrono::steady_clock::now();
+    round();
+    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+    const double per = ns / static_cast<double>(std::max<int64_t>(1, work));
+    const int w = parallel ? 1 : 0;
+    // A moving average: recent rounds count most, one descheduled round does not decide alone.
+    cost_[w] = samples_[w] == 0 ? per : 0.75 * cost_[w] + 0.25 * per;
+    ++samples_[w];
+  }
+
+ private:
+  int64_t retime_;
+  double cost_[2] = {0.0, 0.0};
+  int64_t samples_[2] = {0, 0};
+};
+
 // Hard NMS runs in blocks of kBlock boxes (by decreasing score): within a block, serially, each box
 // not yet suppressed is kept and suppresses the later boxes of its block; then the block's kept boxes
-// suppress every later box in one pass, parallel when it holds at least kParallelWork IoUs. A box is
+// suppress every later box in one pass, which may run in parallel when it holds at least kParallelWork
+// IoUs (timed both ways by a RoundTimer, the cheaper kept). A box is
 // suppressed iff some kept box before it overlaps it by more than the threshold, which is what the
 // one-box-at-a-time loop computes; but the thread pool is woken once per block rather than once per
 // kept box. Waking it per box made 20k boxes take 17.5 s with the second core busy (1.1 s on one
@@ -64,6 +98,7 @@ at::Tensor nms_cpu(const at::Tensor& boxes_, const at::Tensor& scores_, double i
     };
     std::vector<int64_t> block_kept;
     block_kept.reserve(kBlock);
+    RoundTimer timer(8);
 
     for (int64_t start = 0; start < n; start += kBlock) {
       const int64_t end = std::min(n, start + kBlock);
@@ -88,9 +123,16 @@ at::Tensor nms_cpu(const at::Tensor& boxes_, const at::Tensor& scores_, double i
         }
       };
       const int64_t work = (n - end) * static_cast<int64_t>(block_kept.size());
-      if (work >= kParallelWork) {
-        at::parallel_for(end, n, std::max<int64_t>(1, kParallelWork / 4 / std::max<int64_t>(1, block_kept.size())),
-                         suppress_rest);
+      if (work >= kParallelWork && at::get_num_threads() > 1) {
+        const bool parallel = timer.parallel_next(start / kBlock);
+        timer.time(parallel, work, [&] {
+          if (parallel) {
+            at::parallel_for(end, n, std::max<int64_t>(1, kParallelWork / 4 / std::max<int64_t>(1, block_kept.size())),
+                             suppress_rest);
+          } else {
+            suppress_rest(end, n);
+          }
+        });
       } else {
         suppress_rest(end, n);
       }
@@ -117,39 +159,6 @@ at::Tensor nms_cpu(const at::Tensor& boxes_, const at::Tensor& scores_, double i
 // 10k candidates) does not pay for waking the pool once per selected box when other processes load
 // the cores (measured: benchmarks/nms_contention.py).
 constexpr int64_t kParallelSoft = 1 << 16;
-
-// Each soft-NMS round needs the previous round's scores, so a parallel round wakes the pool once per
-// selected box. That pays on idle cores and loses badly on busy ones (gaussian soft-NMS of 20k boxes:
-// 12.5-16 s with the second core busy, 1.8 s on one thread), which cannot be known in advance. So the
-// loop measures: it times rounds both ways, runs the cheaper per candidate, and re-times the other way
-// every kRetime rounds, so it follows load that changes while it runs and is never much slower than
-// one thread.
-class RoundTimer {
- public:
-  static constexpr int64_t kRetime = 64;
-
-  bool parallel_next(int64_t round) const {
-    if (samples_[0] < 2 || samples_[1] < 2) return round % 2 == 1;  // try both ways first
-    const bool faster = cost_[1] < cost_[0];
-    return round % kRetime == 0 ? !faster : faster;
-  }
-
-  template <typename F>
-  void time(bool parallel, int64_t candidates, F&& round) {
-    const auto t0 = std::chrono::steady_clock::now();
-    round();
-    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
-    const double per = ns / static_cast<double>(std::max<int64_t>(1, candidates));
-    const int w = parallel ? 1 : 0;
-    // A moving average: recent rounds count most, one descheduled round does not decide alone.
-    cost_[w] = samples_[w] == 0 ? per : 0.75 * cost_[w] + 0.25 * per;
-    ++samples_[w];
-  }
-
- private:
-  double cost_[2] = {0.0, 0.0};
-  int64_t samples_[2] = {0, 0};
-};
 
 template <typename T>
 struct SoftNmsCandidates {
@@ -232,7 +241,7 @@ int64_t soft_nms_loop(const T* box, const T* score, int64_t n, T thr, T sigma,
   int64_t k = 0;
   const int64_t max_chunks = std::max<int64_t>(1, at::get_num_threads()) * 4;
   std::vector<int64_t> chunk_best(max_chunks), chunk_died(max_chunks);
-  RoundTimer timer;
+  RoundTimer timer(64);
   while (best >= 0) {
     out_idx[k] = c.id[best];
     out_score[k] = c.score[best];
