@@ -4,13 +4,22 @@ Ahead-of-time kernel build: `ACCEL_BUILD_EXT=1 pip install --no-build-isolation 
 op in csrc/ (CUDA sources too when the installed torch sees a GPU) into accel/_ext/. Without it,
 nothing here imports torch and the kernels are JIT-built on first use.
 """
+import importlib.util
 import os
-import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
+
+
+def _build_module():
+    """accel/runtime/_build.py, loaded by path: the JIT build's source lists and flags are the ones used
+    here too, without importing the accel package (and its dependencies) at install time."""
+    spec = importlib.util.spec_from_file_location("_accel_build", ROOT / "accel" / "runtime" / "_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _extensions():
@@ -19,23 +28,18 @@ def _extensions():
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
+    build = _build_module()
     with_cuda = torch.cuda.is_available() or os.environ.get("ACCEL_BUILD_CUDA") == "1"
-    # OpenMP: at::parallel_for only runs in parallel in code compiled with it (see _build.py).
-    omp = ["-fopenmp"] if sys.platform.startswith("linux") else []
     exts = []
-    for cpp in sorted((ROOT / "csrc" / "cpu").glob("*.cpp")):
-        op = cpp.stem
-        sources = ["csrc/bindings.cpp", f"csrc/cpu/{op}.cpp"]
-        cu = ROOT / "csrc" / "cuda" / f"{op}.cu"
-        if with_cuda and cu.exists():
-            sources.append(f"csrc/cuda/{op}.cu")
-            exts.append(CUDAExtension(f"accel._ext.{op}", sources, include_dirs=[str(ROOT / "csrc")],
-                                      define_macros=[("WITH_CUDA", None)],
-                                      extra_compile_args={"cxx": ["-O3"] + omp, "nvcc": ["-O3"]},
-                                      extra_link_args=omp))
+    for op in build.op_names():
+        sources = [os.path.relpath(src, ROOT) for src in build.sources(op, cuda=with_cuda)]
+        common = dict(include_dirs=[str(ROOT / "csrc")], extra_link_args=list(build.OPENMP_FLAGS))
+        if any(src.endswith(".cu") for src in sources):
+            exts.append(CUDAExtension(f"accel._ext.{op}", sources, **common, extra_compile_args={
+                "cxx": build.cxx_flags(cuda=True, native=False), "nvcc": list(build.CUDA_FLAGS)}))
         else:
-            exts.append(CppExtension(f"accel._ext.{op}", sources, include_dirs=[str(ROOT / "csrc")],
-                                     extra_compile_args=["-O3"] + omp, extra_link_args=omp))
+            exts.append(CppExtension(f"accel._ext.{op}", sources, **common,
+                                     extra_compile_args=build.cxx_flags(cuda=False, native=False)))
     return exts, {"build_ext": BuildExtension}
 
 

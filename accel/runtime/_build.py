@@ -87,14 +87,20 @@ def build_dir(op: str) -> Path:
     return path
 
 
-def sources(op: str) -> list[str]:
+def op_names() -> list[str]:
+    """Every op in csrc/: one per csrc/cpu/<op>.cpp."""
+    return sorted(p.stem for p in (csrc_dir() / "cpu").glob("*.cpp"))
+
+
+def sources(op: str, cuda: bool | None = None) -> list[str]:
+    """The sources of `op`'s extension; its CUDA file when `cuda` (default: when torch sees a GPU)."""
     root = csrc_dir()
     cpp = root / "cpu" / f"{op}.cpp"
     if not cpp.exists():
         raise ValueError(f"op: no C++ source for {op!r} (expected {cpp})")
     srcs = [root / "bindings.cpp", cpp]
     cu = root / "cuda" / f"{op}.cu"
-    if with_cuda() and cu.exists():
+    if (with_cuda() if cuda is None else cuda) and cu.exists():
         srcs.append(cu)
     return [str(s) for s in srcs]
 
@@ -144,9 +150,10 @@ OPENMP_FLAGS: tuple[str, ...] = ("-fopenmp",) if sys.platform.startswith("linux"
 CUDA_FLAGS: tuple[str, ...] = ("-O3",)
 
 
-def cxx_flags(cuda: bool) -> list[str]:
-    # JIT builds run where they are used, so they may target this CPU's vector units.
-    return ["-O3", "-march=native", *OPENMP_FLAGS, *(("-DWITH_CUDA",) if cuda else ())]
+def cxx_flags(cuda: bool, native: bool = True) -> list[str]:
+    # JIT builds run where they are used, so they may target this CPU's vector units; an ahead-of-time
+    # build (setup.py, native=False) may be copied to another machine and must not.
+    return ["-O3", *(("-march=native",) if native else ()), *OPENMP_FLAGS, *(("-DWITH_CUDA",) if cuda else ())]
 
 
 def _ensure_ninja_on_path() -> None:

@@ -22,7 +22,7 @@ def cases(device: str, quick: bool) -> list[Case]:
             }))
             # backward alone: grad wrt x given the saved input (reads x and g, writes dx)
             out.append(Case("quick_gelu bwd", label, 3 * nbytes,
-                            lambda xg=xg, g=g: torch.ops.accel.quick_gelu_backward(g, xg), {
+                            lambda xg=xg, g=g: torch.ops.accel.quick_gelu_bwd(g, xg), {
                 "torch autograd": lambda xg=xg, g=g: torch.autograd.grad(
                     xg * torch.sigmoid(1.702 * xg), xg, g)[0],
             }))

@@ -1,7 +1,7 @@
 // Non-maximum suppression on CPU: hard NMS (torchvision semantics) and soft-NMS (mmcv semantics,
 // optionally per class for batched soft-NMS).
 //
-// Box geometry, the decay weights and the tie order come from csrc/nms_common.h, shared with
+// Box geometry, the decay weights and the tie order come from csrc/nms_host.h, shared with
 // csrc/cuda/nms.cu: IoU = inter / ((area_a + area_b) - inter) with no +1, in float (double for
 // float64 inputs), so hard NMS is bit-identical to torchvision's CPU nms. Half and bfloat16
 // inputs are computed in float.
@@ -10,7 +10,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "nms_common.h"
+#include "nms_host.h"
 
 #include <algorithm>
 #include <chrono>
@@ -19,7 +19,7 @@
 namespace accel {
 namespace {
 
-using namespace nms_common;
+using namespace nms_host;
 
 // Whether waking the thread pool pays depends on whether other processes hold the cores, which cannot
 // be known in advance: on a busy machine every parallel section waits for a thread the OS has not

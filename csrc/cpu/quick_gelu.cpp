@@ -12,10 +12,10 @@ namespace {
 
 constexpr double kAlpha = 1.702;
 
-at::Tensor quick_gelu_cpu(const at::Tensor& x_) {
+at::Tensor quick_gelu_fwd_cpu(const at::Tensor& x_) {
   auto x = x_.contiguous();
   auto y = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quick_gelu_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quick_gelu_fwd_cpu", [&] {
     using T = at::opmath_type<scalar_t>;
     vec::map_tiles<scalar_t, T, 1>({x.const_data_ptr<scalar_t>()}, y.mutable_data_ptr<scalar_t>(), x.numel(),
                                    [](const auto& in, T* __restrict__ out, int64_t n) {
@@ -29,13 +29,13 @@ at::Tensor quick_gelu_cpu(const at::Tensor& x_) {
 // d/dx [x s(a x)] = s + a x s (1 - s), multiplied in the order x s (1 - s) a (that of autograd through
 // x * torch.sigmoid(a * x)): x s and s (1 - s) are 0 wherever s saturates, where a x may already have
 // overflowed (|x| > FLT_MAX / a) and a x s would be inf * 0 = NaN or inf times a subnormal.
-at::Tensor quick_gelu_backward_cpu(const at::Tensor& grad_, const at::Tensor& x_) {
+at::Tensor quick_gelu_bwd_cpu(const at::Tensor& grad_, const at::Tensor& x_) {
   auto x = x_.contiguous();
   auto grad = grad_.contiguous();
-  TORCH_CHECK(grad.sizes() == x.sizes(), "quick_gelu_backward: grad and x differ in shape");
-  TORCH_CHECK(grad.scalar_type() == x.scalar_type(), "quick_gelu_backward: grad must have x's dtype ", x.scalar_type());
+  TORCH_CHECK(grad.sizes() == x.sizes(), "quick_gelu_bwd: grad and x differ in shape");
+  TORCH_CHECK(grad.scalar_type() == x.scalar_type(), "quick_gelu_bwd: grad must have x's dtype ", x.scalar_type());
   auto dx = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quick_gelu_backward_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quick_gelu_bwd_cpu", [&] {
     using T = at::opmath_type<scalar_t>;
     vec::map_tiles<scalar_t, T, 2>(
         {grad.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>()}, dx.mutable_data_ptr<scalar_t>(), x.numel(),
@@ -54,13 +54,13 @@ at::Tensor quick_gelu_backward_cpu(const at::Tensor& grad_, const at::Tensor& x_
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(accel, m) {
-  m.def("quick_gelu(Tensor x) -> Tensor");
-  m.def("quick_gelu_backward(Tensor grad, Tensor x) -> Tensor");
+  m.def("quick_gelu_fwd(Tensor x) -> Tensor");
+  m.def("quick_gelu_bwd(Tensor grad, Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(accel, CPU, m) {
-  m.impl("quick_gelu", &quick_gelu_cpu);
-  m.impl("quick_gelu_backward", &quick_gelu_backward_cpu);
+  m.impl("quick_gelu_fwd", &quick_gelu_fwd_cpu);
+  m.impl("quick_gelu_bwd", &quick_gelu_bwd_cpu);
 }
 
 }  // namespace accel

@@ -1,6 +1,6 @@
 // Non-maximum suppression on CUDA: hard NMS (torchvision semantics) and soft-NMS (mmcv semantics,
 // optionally per class). Box geometry, decay weights, tie order and argument checks come from
-// csrc/nms_common.h, shared with csrc/cpu/nms.cpp, so both kernels select the same boxes (products
+// csrc/nms_host.h, shared with csrc/cpu/nms.cpp, so both kernels select the same boxes (products
 // there are __fmul_rn/__dmul_rn on the device: never fused into an FMA).
 //
 // Hard NMS, the bitmask method:
@@ -20,7 +20,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "nms_common.h"
+#include "nms_host.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -28,7 +28,7 @@
 namespace accel {
 namespace {
 
-using namespace nms_common;
+using namespace nms_host;
 
 constexpr int kBoxesPerBlock = 64;  // bits in a mask word
 constexpr int kMaxGridY = 65535;

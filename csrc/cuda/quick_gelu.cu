@@ -99,7 +99,7 @@ at::Tensor map(const at::Tensor* const* ins) {
   auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
   const int64_t n = x.numel();
   if (n == 0) return out;  // a grid must not be empty
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quick_gelu_cuda", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quick_gelu_fwd_cuda", [&] {
     constexpr int VEC = 16 / sizeof(scalar_t);
     Inputs<scalar_t> in{};
     bool vec_ok = aligned16(out.const_data_ptr());
@@ -124,18 +124,18 @@ at::Tensor map(const at::Tensor* const* ins) {
   return out;
 }
 
-at::Tensor quick_gelu_cuda(const at::Tensor& x_) {
+at::Tensor quick_gelu_fwd_cuda(const at::Tensor& x_) {
   c10::cuda::CUDAGuard guard(x_.device());
   const auto x = x_.contiguous();
   const at::Tensor* ins[] = {&x};
   return map<QuickGeluForward>(ins);
 }
 
-at::Tensor quick_gelu_backward_cuda(const at::Tensor& grad_, const at::Tensor& x_) {
+at::Tensor quick_gelu_bwd_cuda(const at::Tensor& grad_, const at::Tensor& x_) {
   c10::cuda::CUDAGuard guard(x_.device());
-  TORCH_CHECK(grad_.sizes() == x_.sizes(), "quick_gelu_backward: grad and x differ in shape");
+  TORCH_CHECK(grad_.sizes() == x_.sizes(), "quick_gelu_bwd: grad and x differ in shape");
   TORCH_CHECK(grad_.scalar_type() == x_.scalar_type() && grad_.device() == x_.device(),
-              "quick_gelu_backward: grad must have x's dtype and device (", x_.scalar_type(), " on ", x_.device(), ")");
+              "quick_gelu_bwd: grad must have x's dtype and device (", x_.scalar_type(), " on ", x_.device(), ")");
   const auto grad = grad_.contiguous();
   const auto x = x_.contiguous();
   const at::Tensor* ins[] = {&grad, &x};
@@ -145,8 +145,8 @@ at::Tensor quick_gelu_backward_cuda(const at::Tensor& grad_, const at::Tensor& x
 }  // namespace
 
 TORCH_LIBRARY_IMPL(accel, CUDA, m) {
-  m.impl("quick_gelu", &quick_gelu_cuda);
-  m.impl("quick_gelu_backward", &quick_gelu_backward_cuda);
+  m.impl("quick_gelu_fwd", &quick_gelu_fwd_cuda);
+  m.impl("quick_gelu_bwd", &quick_gelu_bwd_cuda);
 }
 
 }  // namespace accel

@@ -160,7 +160,7 @@ LOAD_QUICK_GELU = textwrap.dedent("""
     from accel.runtime import _build
     _build.WAIT_NOTICE_S = float(sys.argv[1])
     _build.load("quick_gelu")
-    print("OK", torch.ops.accel.quick_gelu(torch.zeros(2)).tolist(), flush=True)
+    print("OK", torch.ops.accel.quick_gelu_fwd(torch.zeros(2)).tolist(), flush=True)
 """)
 
 # Generous: a fresh process imports torch and loads a cached build (ninja finds nothing to do); a
@@ -440,3 +440,25 @@ def test_fingerprints_do_not_depend_on_which_op_loads_first():
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "OK" in proc.stdout
+
+
+def test_setup_py_builds_what_the_jit_build_builds(monkeypatch):
+    # One source of truth: setup.py's ahead-of-time extensions take their ops, sources and flags from
+    # _build (portable: no -march=native in a build that may be copied elsewhere).
+    from accel.runtime import _build
+
+    root = Path(_build.__file__).resolve().parents[2]
+    monkeypatch.setenv("ACCEL_BUILD_EXT", "1")
+    namespace = {"__file__": str(root / "setup.py"), "__name__": "accel_setup_under_test"}
+    code = (root / "setup.py").read_text().replace("\nsetup(\n", "\n_setup_kwargs = dict(\n")
+    exec(compile(code, "setup.py", "exec"), namespace)
+    exts = {e.name: e for e in namespace["ext_modules"]}
+    assert sorted(exts) == [f"accel._ext.{op}" for op in _build.op_names()]
+    assert "dcn_v2" in _build.op_names() and "quick_gelu" in _build.op_names()
+    for op in _build.op_names():
+        ext = exts[f"accel._ext.{op}"]
+        expected = [os.path.relpath(s, root) for s in _build.sources(op, cuda=any(s.endswith(".cu")
+                                                                                 for s in ext.sources))]
+        assert ext.sources == expected
+        cxx = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) else ext.extra_compile_args
+        assert "-march=native" not in cxx and all(f in cxx for f in _build.OPENMP_FLAGS)

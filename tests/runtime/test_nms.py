@@ -467,7 +467,7 @@ def test_batched_soft_nms_matches_ensemble_boxes_soft_nms(device, method):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cuda_kernels_equal_cpu_kernels(dtype):
-    # Both kernels evaluate the same functions (csrc/nms_common.h): identical indices, and rescored
+    # Both kernels evaluate the same functions (csrc/nms_host.h): identical indices, and rescored
     # scores equal except where the device's and libm's double exp round a gaussian weight to
     # different floats (an exact value within ~1e-16 of a rounding boundary: rare, one ulp).
     # NaN coordinates exercise the min/max semantics; 4097 boxes end on a 1-box mask word.

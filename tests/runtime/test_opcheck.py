@@ -31,7 +31,7 @@ EXPECTED_OPS = {
     "fused_adam_step",
     "layer_norm_fwd", "layer_norm_bwd",
     "nms", "nms_soft",
-    "quick_gelu", "quick_gelu_backward",
+    "quick_gelu_fwd", "quick_gelu_bwd",
     "window_process_partition", "window_process_reverse",
 }
 
@@ -97,7 +97,7 @@ def _quick_gelu(device, dtype, gen, *, transposed=False):
     return (x.requires_grad_(),)
 
 
-def _quick_gelu_backward(device, dtype, gen):
+def _quick_gelu_bwd(device, dtype, gen):
     return _randn((6, 5, 7), device, dtype, gen), _randn((6, 5, 7), device, dtype, gen)
 
 
@@ -228,9 +228,9 @@ class Case:
 
 
 CASES = [
-    Case("quick_gelu", "contiguous", _quick_gelu),
-    Case("quick_gelu", "transposed", _quick_gelu, (F32,), {"transposed": True}),
-    Case("quick_gelu_backward", "plain", _quick_gelu_backward),
+    Case("quick_gelu_fwd", "contiguous", _quick_gelu),
+    Case("quick_gelu_fwd", "transposed", _quick_gelu, (F32,), {"transposed": True}),
+    Case("quick_gelu_bwd", "plain", _quick_gelu_bwd),
     Case("layer_norm_fwd", "affine", _layer_norm_fwd),
     Case("layer_norm_fwd", "no_affine", _layer_norm_fwd, (F32,), {"affine": False}),
     Case("layer_norm_fwd", "two_dims", _layer_norm_fwd, (F32,), {"ndim": 2}),

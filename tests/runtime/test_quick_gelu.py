@@ -116,7 +116,7 @@ def test_cuda_backward_refuses_a_grad_on_another_device():
     x = torch.randn(8, device="cuda")
     quick_gelu(x)  # loads the kernels
     with pytest.raises(RuntimeError, match="device"):
-        torch.ops.accel.quick_gelu_backward(torch.ones(8), x)
+        torch.ops.accel.quick_gelu_bwd(torch.ones(8), x)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

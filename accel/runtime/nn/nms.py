@@ -25,7 +25,7 @@ Conventions (shared by kernels and references):
   cross-class pairs; no coordinate-offset trick, so no precision is lost). It returns the kept boxes
   ordered by decreasing rescored score, ties by input index, which is exactly the order in which
   one greedy loop over all classes selects them.
-- The CPU and CUDA kernels share their arithmetic (csrc/nms_common.h) and select the same boxes.
+- The CPU and CUDA kernels share their arithmetic (csrc/nms_host.h) and select the same boxes.
   Gaussian weights are exp in double rounded to float on both, so float32 scores agree bit for bit
   (barring an exact value within ~1e-16 of a float rounding boundary; float64: within an ulp).
 - ensemble_boxes.soft_nms (an independent numpy implementation, compared in tests/runtime/test_nms.py)

@@ -39,8 +39,8 @@ def _register():
     """Teach torch.library the kernels' output shapes (for torch.compile) and gradients: that of the
     forward op is the backward op, and the backward op has its own, so create_graph=True (double
     backward, gradient penalties) differentiates through it instead of treating it as a constant."""
-    torch.library.register_fake("accel::quick_gelu")(lambda x: torch.empty_like(x.contiguous()))
-    torch.library.register_fake("accel::quick_gelu_backward")(
+    torch.library.register_fake("accel::quick_gelu_fwd")(lambda x: torch.empty_like(x.contiguous()))
+    torch.library.register_fake("accel::quick_gelu_bwd")(
         lambda grad, x: torch.empty_like(x.contiguous()))
 
     def setup_context(ctx, inputs, output):
@@ -48,11 +48,11 @@ def _register():
 
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        return torch.ops.accel.quick_gelu_backward(grad, x)
+        return torch.ops.accel.quick_gelu_bwd(grad, x)
 
-    torch.library.register_autograd("accel::quick_gelu", backward, setup_context=setup_context)
+    torch.library.register_autograd("accel::quick_gelu_fwd", backward, setup_context=setup_context)
 
-    # quick_gelu_backward(g, x) = g f'(x): linear in g, whose gradient is therefore the same op again,
+    # quick_gelu_bwd(g, x) = g f'(x): linear in g, whose gradient is therefore the same op again,
     # and g f''(x) in x.
     def backward_setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs)
@@ -61,12 +61,12 @@ def _register():
         grad, x = ctx.saved_tensors
         d_grad = d_x = None
         if ctx.needs_input_grad[0]:
-            d_grad = torch.ops.accel.quick_gelu_backward(grad_dx, x)
+            d_grad = torch.ops.accel.quick_gelu_bwd(grad_dx, x)
         if ctx.needs_input_grad[1]:
             d_x = (_opmath(grad_dx) * _opmath(grad) * _second_derivative(x)).to(x.dtype)
         return d_grad, d_x
 
-    torch.library.register_autograd("accel::quick_gelu_backward", backward_backward,
+    torch.library.register_autograd("accel::quick_gelu_bwd", backward_backward,
                                     setup_context=backward_setup_context)
 
 
@@ -77,7 +77,7 @@ def _ops():
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     check_tensor("x", x)
     if use_kernel(x):
-        return _ops().quick_gelu(x)
+        return _ops().quick_gelu_fwd(x)
     return quick_gelu_reference(x)
 
 

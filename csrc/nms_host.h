@@ -22,7 +22,7 @@
 #endif
 
 namespace accel {
-namespace nms_common {
+namespace nms_host {
 
 // Method codes shared with accel/runtime/nn/nms.py (METHODS).
 constexpr int64_t kNaive = 0;
@@ -179,5 +179,5 @@ inline SoftNmsInputs soft_nms_inputs(const at::Tensor& boxes, const at::Tensor& 
   return {n, boxes.to(mt).contiguous(), scores.to(mt).contiguous(), ids};
 }
 
-}  // namespace nms_common
+}  // namespace nms_host
 }  // namespace accel
