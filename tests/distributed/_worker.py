@@ -29,20 +29,26 @@ def full_state(model):
     return {k: v.cpu() for k, v in state.items()}
 
 
+def _count_calls(owner, name, counts):
+    """Replace owner.<name> by a wrapper counting its calls; returns what puts the original back."""
+    original = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        counts["reductions"] += 1
+        return original(*args, **kwargs)
+
+    setattr(owner, name, counted)
+    return lambda: setattr(owner, name, original)
+
+
 def count_communication(model, counts):
-    """Count gradient reductions: DDP through a comm hook, FSDP2 by wrapping the reduce-scatter it calls."""
+    """Count gradient reductions: DDP through a comm hook, FSDP2 by wrapping the reduce-scatter it calls,
+    xla by wrapping accel's all-reduce (done at the optimizer step, not in backward)."""
     inner = getattr(model, "_orig_mod", model)
-    if next(model.parameters()).device.type == "xla":  # reduced at the optimizer step, not in backward
+    if next(model.parameters()).device.type == "xla":
         from accel.xla import collectives
 
-        original = collectives.all_reduce
-
-        def all_reduce(*args, **kwargs):
-            counts["reductions"] += 1
-            return original(*args, **kwargs)
-
-        collectives.all_reduce = all_reduce
-        return lambda: setattr(collectives, "all_reduce", original)
+        return _count_calls(collectives, "all_reduce", counts)
     if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -52,14 +58,7 @@ def count_communication(model, counts):
 
         inner.register_comm_hook(None, hook)
         return lambda: None
-    original = dist.reduce_scatter_tensor
-
-    def reduce_scatter_tensor(*args, **kwargs):
-        counts["reductions"] += 1
-        return original(*args, **kwargs)
-
-    dist.reduce_scatter_tensor = reduce_scatter_tensor
-    return lambda: setattr(dist, "reduce_scatter_tensor", original)
+    return _count_calls(dist, "reduce_scatter_tensor", counts)
 
 
 def run(out_dir, mode):
