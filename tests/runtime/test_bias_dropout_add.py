@@ -185,7 +185,7 @@ def test_bad_input_names_argument():
         bias_dropout_add(x, torch.randn(3), x, 0.1, True)
     with pytest.raises(ValueError, match="to_add"):
         dropout_add_fused_train(x, torch.randn(3, 4, device="meta"), 0.1)
-    with pytest.raises(ValueError, match="x"):
+    with pytest.raises(TypeError, match="x"):
         dropout_add_fused_train(torch.arange(12).reshape(3, 4), x, 0.1)
 
 

@@ -228,7 +228,7 @@ def test_bad_input_names_argument():
         FusedSwinFmha.apply(attn[0], bias, mask, B, nW, nH, N)
     with pytest.raises(ValueError, match="attn"):
         FusedSwinFmha.apply(attn[..., :-1], bias, mask, B, nW, nH, N)
-    with pytest.raises(ValueError, match="attn"):
+    with pytest.raises(TypeError, match="attn"):
         FusedSwinFmha.apply(attn.long(), bias, mask, B, nW, nH, N)
     with pytest.raises(ValueError, match="relative_pos_bias"):
         FusedSwinFmha.apply(attn, bias[:2], mask, B, nW, nH, N)

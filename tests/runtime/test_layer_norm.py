@@ -289,9 +289,9 @@ def test_xla_tensors_take_the_reference():
 
 def test_bad_input_names_argument():
     x = torch.randn(2, 8)
-    with pytest.raises(ValueError, match="x"):
+    with pytest.raises(TypeError, match="x"):
         fused_layer_norm(torch.arange(8).reshape(2, 4), 4)
-    with pytest.raises(ValueError, match="x"):
+    with pytest.raises(TypeError, match="x"):
         fused_layer_norm([1.0, 2.0], 2)
     with pytest.raises(ValueError, match="normalized_shape"):
         fused_layer_norm(x, 7)
@@ -301,7 +301,7 @@ def test_bad_input_names_argument():
         fused_layer_norm(x, "8")
     with pytest.raises(ValueError, match="weight"):
         fused_layer_norm(x, 8, torch.ones(4))
-    with pytest.raises(ValueError, match="bias"):
+    with pytest.raises(TypeError, match="bias"):
         fused_layer_norm(x, 8, torch.ones(8), torch.ones(8, dtype=torch.int64))
     with pytest.raises(ValueError, match="eps"):
         fused_layer_norm(x, 8, eps=-1.0)

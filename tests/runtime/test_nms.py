@@ -556,9 +556,9 @@ def test_bad_input_names_argument():
     boxes, scores = _boxes(5, 0), _scores(5, 0)
     with pytest.raises(ValueError, match="boxes"):
         nms(boxes[:, :3], scores, 0.5)
-    with pytest.raises(ValueError, match="boxes"):
+    with pytest.raises(TypeError, match="boxes"):
         nms(boxes.long(), scores, 0.5)
-    with pytest.raises(ValueError, match="boxes"):
+    with pytest.raises(TypeError, match="boxes"):
         nms(boxes.tolist(), scores, 0.5)
     with pytest.raises(ValueError, match="scores"):
         nms(boxes, scores[:4], 0.5)
@@ -588,7 +588,7 @@ def test_bad_input_names_argument():
     idxs = torch.zeros(5, dtype=torch.int64)
     with pytest.raises(ValueError, match="idxs"):
         batched_soft_nms(boxes, scores, idxs[:4])
-    with pytest.raises(ValueError, match="idxs"):
+    with pytest.raises(TypeError, match="idxs"):
         batched_soft_nms(boxes, scores, idxs.float())
     with pytest.raises(ValueError, match="idxs"):
         batched_soft_nms(boxes, scores, idxs.to("meta"))

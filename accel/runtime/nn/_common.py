@@ -7,12 +7,14 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def check_tensor(name: str, t, *, dtypes=FLOAT_DTYPES, ndim: int | tuple[int, ...] | None = None) -> None:
-    """Raise ValueError naming `name` unless t is a tensor with one of `dtypes` and `ndim` dims."""
+    """Raise an error naming `name` unless t is a tensor with one of `dtypes` and `ndim` dims: TypeError for
+    what is not a tensor or has another dtype, ValueError for another number of dims (accel's one rule,
+    as in accel.utils.checks)."""
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None and t.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise ValueError(f"{name}: expected dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
+        raise TypeError(f"{name}: expected dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
     if ndim is not None:
         ok = (ndim,) if isinstance(ndim, int) else ndim
         if t.dim() not in ok:

@@ -43,9 +43,8 @@ import torch
 from torch import nn
 
 from accel.runtime import _build
-from accel.runtime.nn._common import use_kernel
+from accel.runtime.nn._common import check_tensor, use_kernel
 
-_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _REDUCED = (torch.float16, torch.bfloat16)
 
 # ------------------------------------------------------------------ argument checks
@@ -72,16 +71,6 @@ def _pair(name: str, value, minimum: int) -> tuple[int, int]:
     return pair
 
 
-def _check_tensor(name: str, t, ndim: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOATS:
-        raise TypeError(f"{name}: expected a floating-point tensor (float32, float64, float16, bfloat16), "
-                        f"got {str(t.dtype).replace('torch.', '')}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
-
-
 class _Geometry(NamedTuple):
     batch: int
     out_channels: int
@@ -97,13 +86,13 @@ class _Geometry(NamedTuple):
 def _check_args(input, offset, weight, bias, mask, stride, padding, dilation) -> _Geometry:
     """Validate deform_conv2d's arguments (the kernels re-check them); TypeError for a wrong type or
     dtype, ValueError for a wrong shape, device or value, each naming the argument."""
-    _check_tensor("input", input, 4)
-    _check_tensor("offset", offset, 4)
-    _check_tensor("weight", weight, 4)
+    check_tensor("input", input, ndim=4)
+    check_tensor("offset", offset, ndim=4)
+    check_tensor("weight", weight, ndim=4)
     if bias is not None:
-        _check_tensor("bias", bias, 1)
+        check_tensor("bias", bias, ndim=1)
     if mask is not None:
-        _check_tensor("mask", mask, 4)
+        check_tensor("mask", mask, ndim=4)
     for name, t in (("offset", offset), ("weight", weight), ("bias", bias), ("mask", mask)):
         if t is None:
             continue
@@ -237,7 +226,7 @@ def _register():
     @torch.library.register_fake("accel::dcn_v2_bwd")
     def _bwd_fake(grad_output, input, offset, weight, mask, stride, padding, dilation):
         geo = _check_args(input, offset, weight, None, mask, stride, padding, dilation)
-        _check_tensor("grad_output", grad_output, 4)
+        check_tensor("grad_output", grad_output, ndim=4)
         expected = (geo.batch, geo.out_channels, geo.out_h, geo.out_w)
         if tuple(grad_output.shape) != expected:
             raise ValueError(f"grad_output: expected shape {expected}, got {tuple(grad_output.shape)}")
