@@ -99,12 +99,16 @@ FIRST_CALL_COMPILED = textwrap.dedent("""
 """)
 
 
-def test_first_call_inside_fullgraph_compile_loads_the_kernels():
-    # Fresh process: nothing is loaded yet, so Dynamo meets the load while tracing.
-    proc = subprocess.run([sys.executable, "-c", FIRST_CALL_COMPILED], capture_output=True, text=True,
-                          timeout=600)
+def _run_in_fresh_process(script: str) -> None:
+    """Run `script` with this Python in a new process; it must exit 0 and print OK."""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "OK" in proc.stdout
+
+
+def test_first_call_inside_fullgraph_compile_loads_the_kernels():
+    # Fresh process: nothing is loaded yet, so Dynamo meets the load while tracing.
+    _run_in_fresh_process(FIRST_CALL_COMPILED)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenMP flags are only passed on Linux")
@@ -436,10 +440,7 @@ FINGERPRINT_AFTER_A_LOAD = textwrap.dedent("""
 def test_fingerprints_do_not_depend_on_which_op_loads_first():
     # Fresh process: the first load in a process is the one where cpp_extension writes its ninja
     # file and appends its link flags.
-    proc = subprocess.run([sys.executable, "-c", FINGERPRINT_AFTER_A_LOAD], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    assert "OK" in proc.stdout
+    _run_in_fresh_process(FINGERPRINT_AFTER_A_LOAD)
 
 
 def test_setup_py_builds_what_the_jit_build_builds(monkeypatch):
