@@ -99,6 +99,11 @@ def sources(op: str, cuda: bool | None = None) -> list[str]:
     if not cpp.exists():
         raise ValueError(f"op: no C++ source for {op!r} (expected {cpp})")
     srcs = [root / "bindings.cpp", cpp]
+    # the op's autograd in C++, where it has one (named apart: cpp_extension's JIT build puts every
+    # object file in one folder, so two <op>.cpp would collide)
+    autograd = root / "autograd" / f"{op}_autograd.cpp"
+    if autograd.exists():
+        srcs.append(autograd)
     cu = root / "cuda" / f"{op}.cu"
     if (with_cuda() if cuda is None else cuda) and cu.exists():
         srcs.append(cu)

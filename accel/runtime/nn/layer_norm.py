@@ -16,7 +16,7 @@ import torch
 from torch.nn.modules.normalization import LayerNorm as _TorchLayerNorm
 
 from accel.runtime import _build
-from accel.runtime.nn._common import check_same_device, check_tensor, use_kernel
+from accel.runtime.nn._common import FLOAT_DTYPES, check_same_device, check_tensor, use_kernel
 
 _REDUCED = (torch.float16, torch.bfloat16)
 
@@ -62,25 +62,10 @@ def _add(a, b):
     return b if a is None else a + b
 
 
-def _stats_backward(x, mean, rstd, grad_mean, grad_rstd):
-    """The gradient of x through the row statistics, mean = sum(x) / D and rstd = (var + eps)^-1/2:
-    d mean / dx = 1 / D, d rstd / dx = -rstd^3 (x - mean) / D. In mean's dtype (fp32, fp64 for fp64 x)."""
-    M = mean.numel()
-    D = x.numel() // M if M else 0
-    out = None
-    if grad_mean is not None:
-        out = (grad_mean.reshape(M, 1) / D).expand(M, D)
-    if grad_rstd is not None:
-        r = rstd.reshape(M, 1)
-        xc = x.reshape(M, D).to(mean.dtype) - mean.reshape(M, 1)
-        out = _add(out, grad_rstd.reshape(M, 1) * (-(r * r * r) / D) * xc)
-    return out.reshape(x.shape)
-
-
 def _bwd_backward(dy, x, mean, rstd, weight, need_dw, need_db, grad_dx, grad_dw, grad_db, needs_input_grad):
     """Gradients of layer_norm_bwd's (dx, dw, db) with respect to its inputs dy, x, mean, rstd, weight,
-    each taken as independent (the chain through mean and rstd to x is _stats_backward, in the forward
-    op's gradient). In differentiable torch ops, so third and higher derivatives follow by autograd.
+    each taken as independent (the chain through mean and rstd to x is the forward op's gradient, in
+    csrc/autograd/layer_norm.cpp). In differentiable torch ops, so third and higher derivatives follow.
 
     Per row, with g = w dy, xhat = (x - mean) rstd, A = mean_j(g), B = mean_j(g xhat):
         dx = rstd (g - A - xhat B),  dw = sum_rows dy xhat,  db = sum_rows dy.
@@ -134,7 +119,8 @@ def _bwd_backward(dy, x, mean, rstd, weight, need_dw, need_db, grad_dx, grad_dw,
 
 
 def _register():
-    """Teach torch.library the kernels' output shapes (for torch.compile) and gradients.
+    """Teach torch.library the kernels' output shapes (for torch.compile) and the backward op's gradient
+    (the forward op's is C++, csrc/autograd/layer_norm.cpp, as light per call as torch's own ops).
 
     layer_norm_fwd's mean and rstd are differentiable outputs and layer_norm_bwd has a gradient of its
     own, so that create_graph=True (double backward, gradient penalties) differentiates the backward
@@ -157,28 +143,6 @@ def _register():
         db = torch.empty_like(bias, memory_format=torch.contiguous_format) if need_dbias \
             else x.new_empty((0,), dtype=pdtype)
         return dx, dw, db
-
-    def setup_context(ctx, inputs, output):
-        x, weight, bias, normalized_ndim, _eps = inputs
-        _y, mean, rstd = output
-        ctx.save_for_backward(x, mean, rstd, weight, bias)
-        ctx.normalized_ndim = normalized_ndim
-        ctx.set_materialize_grads(False)
-
-    def backward(ctx, grad_y, grad_mean, grad_rstd):
-        x, mean, rstd, weight, bias = ctx.saved_tensors
-        need_dw = weight is not None and ctx.needs_input_grad[1]
-        need_db = bias is not None and ctx.needs_input_grad[2]
-        dx = dw = db = None
-        if grad_y is not None:
-            dx, dw, db = torch.ops.accel.layer_norm_bwd(
-                grad_y, x, mean, rstd, weight, bias, ctx.normalized_ndim, need_dw, need_db)
-        if grad_mean is not None or grad_rstd is not None:
-            stats = _stats_backward(x, mean, rstd, grad_mean, grad_rstd)
-            dx = (stats if dx is None else dx.to(stats.dtype) + stats).to(x.dtype)
-        return dx, (dw if need_dw else None), (db if need_db else None), None, None
-
-    torch.library.register_autograd("accel::layer_norm_fwd", backward, setup_context=setup_context)
 
     def bwd_setup_context(ctx, inputs, output):
         dy, x, mean, rstd, weight, _bias, _normalized_ndim, need_dw, need_db = inputs
@@ -228,14 +192,44 @@ def _kernel_params(x, weight, bias):
 
 def fused_layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
                      bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
-    """Layer normalization over the trailing `normalized_shape` dims of x (like F.layer_norm)."""
-    shape = _normalized_shape(normalized_shape)
-    _check(x, shape, weight, bias, eps)
-    if not use_kernel(x):
-        return layer_norm_reference(x, shape, weight, bias, eps)
-    weight, bias = _kernel_params(x, weight, bias)
-    y, _mean, _rstd = _ops().layer_norm_fwd(x, weight, bias, len(shape), float(eps))
-    return y
+    """Layer normalization over the trailing `normalized_shape` dims of x (like F.layer_norm).
+
+    Args:
+        x (Tensor[..., *normalized_shape]): fp32/fp16/bf16/fp64 input.
+        normalized_shape (int or sequence of ints): the trailing dims normalized together.
+        weight, bias (Tensor[*normalized_shape], optional): x's dtype, or fp32 beside fp16/bf16 x.
+        eps (float): added to the variance.
+
+    Returns:
+        Tensor[x.shape]: in x's dtype.
+    """
+    return _layer_norm(x, _normalized_shape(normalized_shape), weight, bias, eps)
+
+
+def _layer_norm(x, shape: tuple[int, ...], weight, bias, eps):
+    if not _common_call(x, shape, weight, bias, eps):
+        _check(x, shape, weight, bias, eps)
+        if not use_kernel(x):
+            return layer_norm_reference(x, shape, weight, bias, eps)
+        weight, bias = _kernel_params(x, weight, bias)
+        eps = float(eps)
+    return _ops().layer_norm_fwd(x, weight, bias, len(shape), eps)[0]
+
+
+def _common_call(x, shape, weight, bias, eps) -> bool:
+    """True for the call a model makes every step: a float x on the CPU or a GPU whose trailing dims are
+    `shape`, weight and bias of that shape on x's device in x's dtype, a float eps >= 0. It accepts only
+    valid calls and costs a few attribute reads (the kernels' own Python-free checks follow); anything
+    else goes through _check, which names what is wrong, and the general path."""
+    if type(x) is not torch.Tensor or type(eps) is not float or not eps >= 0 or not (x.is_cpu or x.is_cuda) \
+            or x.dtype not in FLOAT_DTYPES or x.shape[max(x.dim() - len(shape), 0):] != shape:
+        return False
+    device, dtype = x.device, x.dtype
+    for p in (weight, bias):
+        if p is not None and (type(p) is not torch.nn.Parameter and type(p) is not torch.Tensor
+                              or p.dtype != dtype or p.shape != shape or p.device != device):
+            return False
+    return True
 
 
 class FusedLayerNorm(_TorchLayerNorm):
@@ -247,4 +241,5 @@ class FusedLayerNorm(_TorchLayerNorm):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return fused_layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+        # normalized_shape is the tuple nn.LayerNorm's constructor made: nothing to parse per call
+        return _layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)

@@ -1,0 +1,116 @@
+// Autograd of accel::layer_norm_fwd in C++, so a call costs what one of torch's own ops costs: a
+// gradient registered from Python (torch.library.register_autograd) runs Python code on every forward
+// and backward, several times the kernel's own time for the small and mid-sized rows of a transformer.
+//
+// The backward calls accel::layer_norm_bwd through the dispatcher. That op's own gradient stays in
+// Python (accel/runtime/nn/layer_norm.py): it runs only when the backward is itself differentiated
+// (create_graph=True), where second derivatives must be right rather than fast; an ordinary backward
+// calls the op below autograd and runs no Python.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+namespace accel {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_op(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                                                      const c10::optional<at::Tensor>& bias, int64_t ndim,
+                                                      double eps) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("accel::layer_norm_fwd", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                           const at::Tensor&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                           int64_t, double)>();
+  return op.call(x, weight, bias, ndim, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_op(const at::Tensor& dy, const at::Tensor& x,
+                                                      const at::Tensor& mean, const at::Tensor& rstd,
+                                                      const c10::optional<at::Tensor>& weight,
+                                                      const c10::optional<at::Tensor>& bias, int64_t ndim,
+                                                      bool need_dweight, bool need_dbias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("accel::layer_norm_bwd", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, int64_t, bool,
+                           bool)>();
+  return op.call(dy, x, mean, rstd, weight, bias, ndim, need_dweight, need_dbias);
+}
+
+c10::optional<at::Tensor> opt(const at::Tensor& t) {
+  return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
+// The gradient of x through the row statistics mean = sum(x) / D and rstd = (var + eps)^-1/2:
+// d mean / dx = 1 / D, d rstd / dx = -rstd^3 (x - mean) / D, in the statistics' dtype. Only a
+// differentiated backward (gradient penalties) sends gradients to mean and rstd.
+// (Symbolic sizes throughout: torch.compile traces this with dynamic shapes.)
+at::Tensor stats_backward(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
+                          const at::Tensor& grad_mean, const at::Tensor& grad_rstd) {
+  const c10::SymInt M = mean.sym_numel();
+  const c10::SymInt D = M == 0 ? c10::SymInt(0) : x.sym_numel() / M;
+  const std::vector<c10::SymInt> rows{M, 1}, full{M, D};
+  at::Tensor out;
+  if (grad_mean.defined()) out = (grad_mean.reshape_symint(rows) / D).expand_symint(full);
+  if (grad_rstd.defined()) {
+    const at::Tensor r = rstd.reshape_symint(rows);
+    const at::Tensor xc = x.reshape_symint(full).to(mean.scalar_type()) - mean.reshape_symint(rows);
+    const at::Tensor term = grad_rstd.reshape_symint(rows) * (-(r * r * r) / D) * xc;
+    out = out.defined() ? out + term : term;
+  }
+  return out.reshape_symint(x.sym_sizes());
+}
+
+class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                               const c10::optional<at::Tensor>& bias, int64_t ndim, double eps) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [y, mean, rstd] = fwd_op(x, weight, bias, ndim, eps);
+    ctx->save_for_backward({x, mean, rstd, weight.value_or(at::Tensor()), bias.value_or(at::Tensor())});
+    ctx->saved_data["ndim"] = ndim;
+    ctx->set_materialize_grads(false);
+    return {y, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &mean = saved[1], &rstd = saved[2], &weight = saved[3], &bias = saved[4];
+    // needs_input_grad counts tensor inputs only: an absent weight moves bias to edge 1
+    const bool need_dw = weight.defined() && ctx->needs_input_grad(1);
+    const bool need_db = bias.defined() && ctx->needs_input_grad(weight.defined() ? 2 : 1);
+    at::Tensor dx, dw, db;
+    if (grads[0].defined()) {
+      // Outside create_graph nothing records the backward: skip the backward op's (Python) autograd.
+      c10::optional<at::AutoDispatchBelowADInplaceOrView> below;
+      if (!at::GradMode::is_enabled()) below.emplace();
+      std::tie(dx, dw, db) = bwd_op(grads[0], x, mean, rstd, opt(weight), opt(bias),
+                                    ctx->saved_data["ndim"].toInt(), need_dw, need_db);
+    }
+    if (grads[1].defined() || grads[2].defined()) {
+      const at::Tensor stats = stats_backward(x, mean, rstd, grads[1], grads[2]);
+      dx = (dx.defined() ? dx.to(stats.scalar_type()) + stats : stats).to(x.scalar_type());
+    }
+    return {dx, need_dw ? dw : at::Tensor(), need_db ? db : at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_autograd(
+    const at::Tensor& x, const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+    int64_t ndim, double eps) {
+  auto out = LayerNormFunction::apply(x, weight, bias, ndim, eps);
+  return {out[0], out[1], out[2]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(accel, Autograd, m) {
+  m.impl("layer_norm_fwd", &layer_norm_fwd_autograd);
+}
+
+}  // namespace accel
