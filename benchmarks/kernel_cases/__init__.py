@@ -4,6 +4,11 @@ Each module defines `cases(device: str, quick: bool) -> list[Case]`. A Case is o
 our implementation and every peer as zero-argument callables on pre-made inputs, plus the bytes an
 ideal implementation must move (read + write) so kernels.py can report GB/s against the device's
 measured copy bandwidth. `quick` asks for small sizes only (CPU smoke runs).
+
+A module may also define `host_cases(device: str) -> list[Case]` for benchmarks/host_cost.py: the op
+as a model calls it (the public function or module, forward, and forward + backward where it has a
+gradient) on inputs so small that the kernel takes no time, so what is timed is the host's cost of a
+call (Python checks, dispatch, autograd), next to the same call of torch's own ops.
 """
 from __future__ import annotations
 

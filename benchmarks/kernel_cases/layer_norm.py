@@ -1,7 +1,7 @@
 import torch
 import torch.nn.functional as F
 
-from accel.runtime.nn.layer_norm import _ops, fused_layer_norm, layer_norm_reference
+from accel.runtime.nn.layer_norm import FusedLayerNorm, _ops, fused_layer_norm, layer_norm_reference
 
 from . import Case
 
@@ -51,3 +51,15 @@ def cases(device: str, quick: bool) -> list[Case]:
                     torch.ops.aten.native_layer_norm_backward(g, x, [n], mean, rstd, w, b, [True, True, True]),
             }))
     return out
+
+
+def host_cases(device: str) -> list[Case]:
+    """nn.LayerNorm as a model calls it, on 2 rows of 8: FusedLayerNorm against torch's own module."""
+    torch.manual_seed(0)
+    ours, theirs = FusedLayerNorm(8).to(device), torch.nn.LayerNorm(8).to(device)
+    x = torch.randn(2, 8, device=device, requires_grad=True)
+    return [
+        Case("layer_norm fwd", "2x8", 0, lambda: ours(x), {"torch nn.LayerNorm": lambda: theirs(x)}, False),
+        Case("layer_norm fwd+bwd", "2x8", 0, lambda: ours(x).sum().backward(),
+             {"torch nn.LayerNorm": lambda: theirs(x).sum().backward()}, False),
+    ]
