@@ -15,6 +15,10 @@ Evidence (same data and seed in one process):
   accel.compiler.optimizer). The earlier "hooks 1.06-1.13x faster" was fused Adam against torch's default
   per-tensor loop (391 ms), not against torch's best.
 - XLA: custom C++/CUDA ops do not run on XLA tensors.
+- Under torch.compile FusedLayerNorm steps aside for plain ops (CPU fp32, Linear + dropout + residual +
+  LayerNorm [1024, 768] forward + backward: 1.28x slower with the kernel, which Inductor cannot fuse).
+- Per-call host cost (benchmarks/host_cost.py, 2026-11-23): the ops' autograd moved from Python to C++;
+  LayerNorm on 2x8 (all host cost) forward + backward went from 2.6x torch's time to ~1.3x.
 So today no hook wins anywhere: accelerate() applies none, and this table is where the kernel-library
 issue (9) turns them on, device by device, as each one beats torch's best in a measured run.
 """

@@ -260,19 +260,34 @@ def test_module_is_a_drop_in_for_nn_layer_norm():
     torch.testing.assert_close(no_bias(x8.bfloat16()), F.layer_norm(x8.bfloat16(), (8,), no_bias.weight))
 
 
-def test_torch_compile_fullgraph_forward_and_backward():
+def _graph_recorder(graphs):
+    """A torch.compile backend that keeps each Dynamo graph's code and runs it as is."""
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+    return backend
+
+
+@pytest.mark.parametrize("entry", ["module", "function"])
+def test_torch_compile_fullgraph_forward_and_backward(entry):
+    """Under torch.compile the module steps aside for plain ops Inductor can fuse with its neighbours;
+    the function is the kernel everywhere. Both give F.layer_norm's values and gradients."""
     torch.manual_seed(7)
     m = FusedLayerNorm(48)
     with torch.no_grad():
         m.weight.normal_()
     x = torch.randn(5, 48, requires_grad=True)
-    compiled = torch.compile(m, fullgraph=True)
-    y = compiled(x)
+    fn = m if entry == "module" else (lambda x: fused_layer_norm(x, 48, m.weight, m.bias))
+    graphs = []
+    y = torch.compile(fn, fullgraph=True, backend=_graph_recorder(graphs))(x)
+    assert len(graphs) == 1 and ("accel.layer_norm_fwd" in graphs[0]) == (entry == "function"), graphs
     torch.testing.assert_close(y, F.layer_norm(x, (48,), m.weight, m.bias))
     y.sum().backward()
     xr = x.detach().clone().requires_grad_()
     F.layer_norm(xr, (48,), m.weight, m.bias).sum().backward()
     torch.testing.assert_close(x.grad, xr.grad, **_grads_tol(torch.float32))
+    compiled = torch.compile(fn, fullgraph=True)  # and through Inductor
+    torch.testing.assert_close(compiled(x), F.layer_norm(x, (48,), m.weight, m.bias))
 
 
 @pytest.mark.skipif(not xla_available(), reason="torch_xla is not installed")
