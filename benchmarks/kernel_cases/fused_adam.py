@@ -68,3 +68,14 @@ def cases(device: str, quick: bool) -> list[Case]:
             }
             out.append(Case(f"fused_adam step ({name})", size, bytes_moved, _step(ours), peers))
     return out
+
+
+def host_cases(device: str) -> list[Case]:
+    """An AdamW step over as many tensors as BERT-base has parameters, 8 elements each, so
+    the host's per-parameter work is all there is to time, against torch's fused and foreach steps."""
+    shapes = [(8,)] * len(bert_like_shapes(hidden=768, layers=12, vocab=30522))
+    ours = FusedAdamW(_with_grads(shapes, device, torch.float32), lr=1e-4, weight_decay=0.01)
+    peers = {f"torch adamw {kind}=True": _step(torch.optim.AdamW(
+        _with_grads(shapes, device, torch.float32), lr=1e-4, weight_decay=0.01, **{kind: True}))
+        for kind in ("fused", "foreach")}
+    return [Case("fused_adam step (adamw)", f"{len(shapes)} tensors x 8", 0, _step(ours), peers, False)]
