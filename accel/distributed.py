@@ -102,7 +102,12 @@ def _fully_shard(model: nn.Module, device: torch.device, dist_config: DistConfig
     mesh = _mesh(device.type, dp, fsdp, dist_config.topology)
     # Gradients are reduced in fp32 whatever the compute dtype: bf16 sums over many ranks lose digits.
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
-    offload = CPUOffloadPolicy() if dist_config.fsdp.cpu_offload else OffloadPolicy()
+    # cpu_offload: the sharded parameters, gradients and optimizer state live in host memory. Pinning them only
+    # speeds up the copies to an accelerator, and torch can pin only where one exists: FSDP2's default
+    # CPUOffloadPolicy(pin_memory=True) fails in fully_shard on a machine without a GPU ("Found no NVIDIA driver").
+    # So unpinned on the cpu backend, where the compute device is the host and FSDP2's copies are no-ops.
+    offload = (CPUOffloadPolicy(pin_memory=device.type != "cpu") if dist_config.fsdp.cpu_offload
+               else OffloadPolicy())
     for block in _fsdp_blocks(model, dist_config.fsdp.wrap_layer_cls):
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)

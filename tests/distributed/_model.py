@@ -49,5 +49,20 @@ def new_model() -> TinyNet:
     return TinyNet()
 
 
-def optimizer_for(model: nn.Module) -> torch.optim.Optimizer:
+def optimizer_for(model: nn.Module, syncfree: bool = False) -> torch.optim.Optimizer:
+    """torch's AdamW, or accel's sync-free AdamW (same update rule, skipped on the device by a GradScaler)."""
+    if syncfree:
+        from accel.amp import syncfree as sf
+
+        return sf.AdamW(model.parameters(), lr=1e-2)
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def inject_inf(model: nn.Module) -> None:
+    """Make one gradient element of this process inf: an overflow only this rank sees (FSDP: in its shard)."""
+    for p in model.parameters():
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        if grad.numel():
+            grad.view(-1)[0] = float("inf")
+            return
+    raise AssertionError("no gradient element to make inf")
