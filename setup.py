@@ -48,7 +48,7 @@ ext_modules, cmdclass = _extensions()
 setup(
     packages=find_packages(include=["accel", "accel.*"]) + ["accel._csrc"],
     package_dir={"accel._csrc": "csrc"},
-    package_data={"accel._csrc": ["*.cpp", "*.h", "cpu/*.cpp", "cpu/*.h", "autograd/*.cpp", "cuda/*.cu", "cuda/*.cuh"]},
+    package_data={"accel._csrc": ["*.cpp", "*.h", "cpu/*.cpp", "cpu/*.h", "autograd/*.cpp", "autograd/*.h", "cuda/*.cu", "cuda/*.cuh"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -41,3 +41,26 @@ def cases(device: str, quick: bool) -> list[Case]:
                 "torch.compile(ref)": lambda step=step: step(compiled_ref),
             }))
     return out
+
+
+def host_cases(device: str) -> list[Case]:
+    """bias_dropout_add as a model calls it in training, on 2 rows of 8: ours against torch's
+    F.dropout(x + bias, p, training) + residual."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, device=device, requires_grad=True)
+    bias = torch.randn(8, device=device, requires_grad=True)
+    residual = torch.randn(2, 8, device=device, requires_grad=True)
+
+    def theirs():
+        return F.dropout(x + bias, P, True) + residual
+
+    peer = "torch F.dropout(x+bias)+residual"
+    return [
+        Case("bias_dropout_add fwd", "2x8", 0, lambda: bias_dropout_add(x, bias, residual, P, True),
+             {peer: theirs}, False),
+        Case("bias_dropout_add fwd+bwd", "2x8", 0,
+             lambda: bias_dropout_add(x, bias, residual, P, True).sum().backward(),
+             {peer: lambda: theirs().sum().backward()}, False),
+    ]

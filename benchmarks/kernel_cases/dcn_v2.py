@@ -9,7 +9,7 @@ judged by time, not by bandwidth.
 """
 import torch
 
-from accel.runtime.nn.dcn_v2 import deform_conv2d
+from accel.runtime.nn.dcn_v2 import DCNv2, deform_conv2d
 
 from . import Case
 
@@ -58,3 +58,26 @@ def cases(device: str, quick: bool) -> list[Case]:
                             {"torchvision.ops.deform_conv2d": lambda a=leaves, g=grad: _fwd_bwd(tv, *a, g)},
                             memory_bound=False))
     return out
+
+
+def host_cases(device: str) -> list[Case]:
+    """DCNv2 as a model calls it (offsets and mask from the caller), 4 -> 4 channels 3x3 on one 5x5
+    image: our module against torchvision.ops.deform_conv2d with the same parameters."""
+    import torchvision
+
+    tv = torchvision.ops.deform_conv2d
+    torch.manual_seed(0)
+    m = DCNv2(4, 4, 3, padding=1).to(device)
+    x = torch.randn(1, 4, 5, 5, device=device, requires_grad=True)
+    offset = (torch.randn(1, 18, 5, 5, device=device) * 0.5).requires_grad_()
+    mask = torch.rand(1, 9, 5, 5, device=device, requires_grad=True)
+
+    def theirs():
+        return tv(x, offset, m.weight, m.bias, padding=1, mask=mask)
+
+    peer = "torchvision.ops.deform_conv2d"
+    return [
+        Case("dcn_v2 DCNv2 fwd", "1x4x5x5", 0, lambda: m(x, offset, mask), {peer: theirs}, False),
+        Case("dcn_v2 DCNv2 fwd+bwd", "1x4x5x5", 0, lambda: m(x, offset, mask).sum().backward(),
+             {peer: lambda: theirs().sum().backward()}, False),
+    ]

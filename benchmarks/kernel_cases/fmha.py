@@ -11,7 +11,7 @@ N = 49
 
 def _eager(attn, bias, mask, B, nW):
     """What Swin's WindowAttention runs: two broadcast adds and a softmax, in attn's dtype."""
-    BnW, nH = attn.shape[:2]
+    BnW, nH, N = attn.shape[:3]
     s = attn.view(B, nW, nH, N, N) + bias.unsqueeze(0).unsqueeze(0) + mask.unsqueeze(1).unsqueeze(0)
     return torch.softmax(s.view(BnW, nH, N, N), dim=-1)
 
@@ -52,3 +52,21 @@ def _eager_backward(g, y):
     broadcast reduction."""
     dx = torch.ops.aten._softmax_backward_data(g, y, -1, y.dtype)
     return dx, dx.sum(0)
+
+
+def host_cases(device: str) -> list[Case]:
+    """Swin's window attention scores as WindowAttention computes them, on 2 windows of 4 tokens, 2 heads
+    (the bias a Parameter, the shift mask a buffer): FusedSwinFmha against the eager two adds + softmax."""
+    torch.manual_seed(0)
+    B, nW, nH, n = 1, 2, 2, 4
+    attn = torch.randn(B * nW, nH, n, n, device=device, requires_grad=True)
+    bias = torch.nn.Parameter(torch.randn(nH, n, n, device=device))
+    mask = (torch.rand(nW, n, n, device=device) < 0.3).float() * -100
+    ours = lambda: FusedSwinFmha.apply(attn, bias, mask, B, nW, nH, n)  # noqa: E731
+    theirs = lambda: _eager(attn, bias, mask, B, nW)  # noqa: E731
+    peer = "torch eager (add + add + softmax)"
+    return [
+        Case("fmha fwd", f"{B * nW}x{nH}x{n}x{n}", 0, ours, {peer: theirs}, False),
+        Case("fmha fwd+bwd", f"{B * nW}x{nH}x{n}x{n}", 0, lambda: ours().sum().backward(),
+             {peer: lambda: theirs().sum().backward()}, False),
+    ]

@@ -93,3 +93,29 @@ def cases(device: str, quick: bool) -> list[Case]:
                         lambda b=boxes, s=scores, c=classes: batched_soft_nms(b, s, c), batched_peers,
                         memory_bound=False))
     return out
+
+
+def host_cases(device: str) -> list[Case]:
+    """The NMS calls of a detector's post-processing on 16 boxes: hard NMS against torchvision.ops.nms,
+    soft-NMS (which torchvision lacks) against its hard NMS on the same dets, batched soft-NMS against
+    torchvision.ops.batched_nms; the last with scores that require grad (a head in training)."""
+    import torchvision
+
+    boxes, scores, classes = _detections(16, device)
+    dets = torch.cat([boxes, scores[:, None]], 1)
+    scores_grad = scores.clone().requires_grad_()
+    tv_nms = torchvision.ops.nms
+
+    def tv_hard_dets(d=dets):  # torchvision's hard NMS on dets, returning (kept dets, inds) as soft_nms does
+        inds = tv_nms(d[:, :4], d[:, 4], 0.3)
+        return d.index_select(0, inds), inds
+
+    return [
+        Case("nms", "16 boxes", 0, lambda: nms(boxes, scores, 0.5),
+             {"torchvision.ops.nms": lambda: tv_nms(boxes, scores, 0.5)}, False),
+        Case("soft_nms gaussian", "16 boxes", 0, lambda: soft_nms(dets, 0.3, 0.5, 1e-3, "gaussian"),
+             {"torchvision.ops.nms (hard) on dets": tv_hard_dets}, False),
+        Case("batched_soft_nms (grad)", "16 boxes", 0, lambda: batched_soft_nms(boxes, scores_grad, classes),
+             {"torchvision.ops.batched_nms": lambda: torchvision.ops.batched_nms(boxes, scores_grad, classes, 0.5)},
+             False),
+    ]

@@ -27,3 +27,22 @@ def cases(device: str, quick: bool) -> list[Case]:
                     xg * torch.sigmoid(1.702 * xg), xg, g)[0],
             }))
     return out
+
+
+def host_cases(device: str) -> list[Case]:
+    """QuickGELU as a model calls it, on 16 values: the QuickGelu module against the same formula in
+    torch's own ops."""
+    from accel.runtime.nn.quick_gelu import QuickGelu
+
+    torch.manual_seed(0)
+    ours = QuickGelu()
+    x = torch.randn(2, 8, device=device, requires_grad=True)
+
+    def theirs(x):
+        return x * torch.sigmoid(1.702 * x)
+
+    return [
+        Case("quick_gelu fwd", "2x8", 0, lambda: ours(x), {"torch x*sigmoid(1.702x)": lambda: theirs(x)}, False),
+        Case("quick_gelu fwd+bwd", "2x8", 0, lambda: ours(x).sum().backward(),
+             {"torch x*sigmoid(1.702x)": lambda: theirs(x).sum().backward()}, False),
+    ]

@@ -38,3 +38,25 @@ def cases(device: str, quick: bool) -> list[Case]:
                 "torch.compile(ref)": lambda w=windows, h=hw: reverse_ref(w, h, h, shift, ws),
             }))
     return out
+
+
+def host_cases(device: str) -> list[Case]:
+    """A shifted Swin block's window ops on a 1x4x4x2 map, window 2, shift 1: WindowProcess and
+    WindowProcessReverse against their plain-PyTorch references (roll + window partition / reverse)."""
+    torch.manual_seed(0)
+    B, H, W, C, ws, shift = 1, 4, 4, 2, 2, 1
+    x = torch.randn(B, H, W, C, device=device, requires_grad=True)
+    windows = torch.randn(B * (H // ws) * (W // ws), ws, ws, C, device=device, requires_grad=True)
+    part = lambda: WindowProcess.apply(x, B, H, W, C, -shift, ws)  # noqa: E731
+    part_ref = lambda: window_process_reference(x, -shift, ws)  # noqa: E731
+    rev = lambda: WindowProcessReverse.apply(windows, B, H, W, C, shift, ws)  # noqa: E731
+    rev_ref = lambda: window_process_reverse_reference(windows, H, W, shift, ws)  # noqa: E731
+    size = f"{B}x{H}x{W}x{C} ws{ws}"
+    return [
+        Case("window_process partition fwd", size, 0, part, {"torch (roll + partition)": part_ref}, False),
+        Case("window_process partition fwd+bwd", size, 0, lambda: part().sum().backward(),
+             {"torch (roll + partition)": lambda: part_ref().sum().backward()}, False),
+        Case("window_process reverse fwd", size, 0, rev, {"torch (reverse + roll)": rev_ref}, False),
+        Case("window_process reverse fwd+bwd", size, 0, lambda: rev().sum().backward(),
+             {"torch (reverse + roll)": lambda: rev_ref().sum().backward()}, False),
+    ]

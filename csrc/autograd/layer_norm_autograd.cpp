@@ -8,6 +8,8 @@
 // calls the op below autograd and runs no Python.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
+
+#include "autograd/backward_guard.h"
 #include <torch/library.h>
 #include <torch/types.h>
 
@@ -86,9 +88,7 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     const bool need_db = bias.defined() && ctx->needs_input_grad(weight.defined() ? 2 : 1);
     at::Tensor dx, dw, db;
     if (grads[0].defined()) {
-      // Outside create_graph nothing records the backward: skip the backward op's (Python) autograd.
-      c10::optional<at::AutoDispatchBelowADInplaceOrView> below;
-      if (!at::GradMode::is_enabled()) below.emplace();
+      BackwardOpGuard guard;  // below autograd unless create_graph
       std::tie(dx, dw, db) = bwd_op(grads[0], x, mean, rstd, opt(weight), opt(bias),
                                     ctx->saved_data["ndim"].toInt(), need_dw, need_db);
     }

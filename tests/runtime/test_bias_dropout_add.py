@@ -8,6 +8,7 @@ import torch
 from accel.runtime.nn import bias_dropout_add, dropout_add_fused, dropout_add_fused_train
 from accel.runtime.nn.bias_dropout_add import bias_dropout_add_reference
 
+from ._autograd_probe import ACCEL_RUNTIME, LIBRARY, autograd_kernel, python_calls, ran
 from ._params import DEVICES, DTYPES, tol
 
 SHAPES = [(7,), (3, 1001), (2, 5, 129), (0, 4)]
@@ -367,3 +368,47 @@ def test_gradient_penalty_matches_formula(device, dtype):
     tolerance = tol(dtype) if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
     for o, r in zip(grads(ours), grads(formula)):
         torch.testing.assert_close(o, r, **tolerance)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("needs", ["x", "bias", "residual", "x+residual", "bias+residual"])
+def test_gradients_of_any_subset_of_inputs(with_bias, needs):
+    # the C++ gradient reads needs_input_grad by the position of each present tensor input: an absent
+    # bias moves residual to position 1
+    shape, p = (6, 33), 0.3
+    if "bias" in needs and not with_bias:
+        pytest.skip("no bias to differentiate")
+    mask = recover_mask(shape, p, seed=13, device="cpu")
+    x, bias, residual = inputs(shape, torch.float32, "cpu", seed=4)
+    bias = bias if with_bias else None
+    wanted = {"x": x, "bias": bias, "residual": residual}
+    wrt = [wanted[n].requires_grad_() for n in needs.split("+")]
+    torch.manual_seed(13)
+    out = bias_dropout_add(x, bias, residual, p, True)
+    g = torch.randn(shape)
+    grads = dict(zip(needs.split("+"), torch.autograd.grad(out, wrt, g)))
+    gx = mask * g / (1 - p)
+    expected = {"x": gx, "bias": gx.sum(0), "residual": g}
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_gradient_is_cpp_and_an_ordinary_backward_runs_no_python(p):
+    # The forward op's gradient is C++ (csrc/autograd/bias_dropout_add_autograd.cpp): neither the
+    # forward nor an ordinary backward runs a torch.library.register_autograd gradient's Python
+    # (torch/_library/) or our own (accel/runtime/nn/); the backward op is called below autograd. (The
+    # CPU autograd engine runs a CPU graph on the calling thread, where the profile hook sees it.)
+    shape = (4, 9)
+    mask = recover_mask(shape, p, seed=14, device="cpu")  # also loads the kernels outside the profiled calls
+    assert "bias_dropout_add_autograd.cpp" in autograd_kernel("accel::bias_dropout_add_fwd")
+    x, bias, residual = (t.requires_grad_() for t in inputs(shape, torch.float32, "cpu", seed=5))
+    g = torch.randn(shape)
+    torch.manual_seed(14)
+    out, fwd_files = python_calls(lambda: bias_dropout_add(x, bias, residual, p, True))
+    (gx, gb, gr), bwd_files = python_calls(lambda: torch.autograd.grad(out, (x, bias, residual), g))
+    assert not ran(fwd_files, LIBRARY)
+    assert not ran(bwd_files, LIBRARY, ACCEL_RUNTIME)
+    torch.testing.assert_close(gx, mask * g / (1 - p))
+    torch.testing.assert_close(gb, gx.sum(0))
+    torch.testing.assert_close(gr, g)

@@ -1,3 +1,4 @@
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -6,6 +7,7 @@ import torchvision
 from accel.runtime.nn.dcn_v2 import DCN, DCNv2, dcn_v2_conv, deform_conv2d, deform_conv2d_reference
 from accel.utils.xla import xla_available
 
+from ._autograd_probe import ACCEL_RUNTIME, LIBRARY, autograd_kernel, python_calls, ran
 from ._params import DEVICES, NO_CUDA
 
 # (name, batch, in_channels, (H, W), out_channels, kernel, stride, padding, dilation, groups,
@@ -192,6 +194,59 @@ def test_gradcheck_float64(device):
         return deform_conv2d(x, offset, weight, b, mask=mask, **conv)
 
     assert torch.autograd.gradcheck(fn, leaves)
+
+
+# ------------------------------------------------------------------ autograd in C++
+
+
+# which of (input, offset, weight, bias, mask) require grad: with bias or mask absent, the
+# gradient's tensor-input edges shift (needs_input_grad counts only the tensors present)
+NEEDS = {"all": (1, 1, 1, 1, 1), "mask": (0, 0, 0, 0, 1), "bias": (0, 0, 0, 1, 0), "offset_weight": (0, 1, 1, 0, 0)}
+
+
+@pytest.mark.parametrize("need", sorted(NEEDS))
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("masked", [True, False], ids=["mask", "no_mask"])
+def test_gradient_is_cpp_and_an_ordinary_backward_runs_no_python(need, bias, masked):
+    # dcn_v2_fwd's gradient is C++ (csrc/autograd/dcn_v2_autograd.cpp): neither the forward op nor an
+    # ordinary backward runs a torch.library.register_autograd gradient's Python (torch/_library/) or
+    # our own (accel/runtime/nn/); the backward op is called below autograd. (The CPU autograd engine
+    # runs a CPU graph on the calling thread, where the profile hook sees it.) Gradients go to exactly
+    # the tensors that require them, equal to torchvision's.
+    tensors, conv = _make(CASES[3], "cpu", torch.float64, masked=masked, bias=bias)
+    leaves = [t.detach().clone().requires_grad_(bool(r)) if t is not None else None
+              for t, r in zip(tensors, NEEDS[need])]
+    wanted = [t for t in leaves if t is not None and t.requires_grad]
+    if not wanted:
+        pytest.skip("no tensor present requires grad")
+    deform_conv2d(*leaves[:4], mask=leaves[4], **conv)  # loads the kernels outside the profiled calls
+    assert "dcn_v2_autograd.cpp" in autograd_kernel("accel::dcn_v2_fwd")
+    args = [list(conv["stride"]), list(conv["padding"]), list(conv["dilation"])]
+    y, fwd_files = python_calls(lambda: torch.ops.accel.dcn_v2_fwd(*leaves, *args))
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads, bwd_files = python_calls(lambda: torch.autograd.grad(y, wanted, g))
+    assert not ran(fwd_files, LIBRARY)
+    assert not ran(bwd_files, LIBRARY, ACCEL_RUNTIME)
+    _, want = _torchvision(tensors, conv)
+    expected = [w for t, w in zip(leaves, want) if t is not None and t.requires_grad]
+    for got, ref in zip(grads, expected):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_double_backward_still_goes_through_torchs_fallback():
+    # dcn_v2_bwd has no gradient (as in torchvision): create_graph=True calls it through autograd, as
+    # the Python gradient did, so the first-order gradients are right and differentiating them warns
+    # that the op has no autograd kernel, rather than failing or silently differing from before.
+    tensors, conv = _make(CASES[0], "cpu", torch.float64)
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    y = deform_conv2d(*leaves[:4], mask=leaves[4], **conv)
+    first = torch.autograd.grad(y.pow(2).sum(), leaves, create_graph=True)
+    plain = torch.autograd.grad(deform_conv2d(*leaves[:4], mask=leaves[4], **conv).pow(2).sum(), leaves)
+    for a, b in zip(first, plain):
+        assert a.requires_grad
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.warns(UserWarning, match="accel::dcn_v2_bwd: an autograd kernel was not registered"):
+        torch.autograd.grad(sum(t.pow(2).sum() for t in first), leaves, allow_unused=True)
 
 
 # ------------------------------------------------------------------ the reference

@@ -7,6 +7,7 @@ import torch
 from accel.runtime.nn.fmha import FusedSwinFmha, fmha_backward_reference, fmha_reference
 from accel.utils.xla import xla_available
 
+from ._autograd_probe import ACCEL_RUNTIME, LIBRARY, autograd_kernel, python_calls, ran
 from ._params import DEVICES, DTYPES, tol
 
 XLA_ON = bool(xla_available() and os.environ.get("PJRT_DEVICE"))
@@ -407,3 +408,28 @@ def test_kernel_and_reference_paths_have_the_same_gradients(device, path, monkey
     _swin_reference(ar, br, mask.detach(), B, nW).backward(g.double())
     torch.testing.assert_close(attn.grad, ar.grad.half(), **tol(torch.float16))
     torch.testing.assert_close(bias.grad, br.grad.float(), rtol=2e-3, atol=2e-3)
+
+
+def test_gradient_is_cpp_and_an_ordinary_backward_runs_no_python():
+    # fmha_swin_fwd's gradient is C++ (csrc/autograd/fmha_autograd.cpp): neither the forward nor an
+    # ordinary backward runs a torch.library.register_autograd gradient's Python (torch/_library/) or
+    # our own (accel/runtime/nn/); fmha_swin_bwd is called below autograd. (The CPU autograd engine runs
+    # a CPU graph on the calling thread, where the profile hook sees it.) The gradients still match.
+    B, nW, nH, N = 2, 2, 3, 6
+    attn = torch.randn(B * nW, nH, N, N).half().requires_grad_()
+    bias = torch.randn(nH, N, N, requires_grad=True)
+    mask = _swin_mask(nW, N, "cpu").requires_grad_()
+    g = torch.randn(B * nW, nH, N, N).half()
+    FusedSwinFmha.apply(attn, bias, mask, B, nW, nH, N)  # loads the kernels outside the profiled calls
+    assert "fmha_autograd.cpp" in autograd_kernel("accel::fmha_swin_fwd")
+    y, fwd_files = python_calls(lambda: FusedSwinFmha.apply(attn, bias, mask, B, nW, nH, N))
+    (da, db), bwd_files = python_calls(lambda: torch.autograd.grad(y, (attn, bias), g))
+    assert not ran(fwd_files, LIBRARY)
+    assert not ran(bwd_files, LIBRARY, ACCEL_RUNTIME)
+    # the mask gets no gradient, the bias's has the bias's dtype
+    FusedSwinFmha.apply(attn, bias, mask, B, nW, nH, N).backward(g)
+    assert mask.grad is None and da.dtype == torch.float16 and db.dtype == torch.float32
+    ar, br = attn.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
+    dar, dbr = torch.autograd.grad(_swin_reference(ar, br, mask.detach(), B, nW), (ar, br), g.double())
+    torch.testing.assert_close(da, dar.half(), **tol(torch.float16))
+    torch.testing.assert_close(db, dbr.float(), rtol=2e-3, atol=2e-3)

@@ -6,6 +6,7 @@ from torch import nn
 from accel.runtime.nn.layer_norm import FusedLayerNorm, fused_layer_norm, layer_norm_reference
 from accel.utils.xla import xla_available
 
+from ._autograd_probe import ACCEL_RUNTIME, LIBRARY, autograd_kernel, python_calls, ran
 from ._params import DEVICES, DTYPES, NO_CUDA, tol
 
 # (input shape, normalized_shape): odd sizes, one-element rows, multi-dim normalized shapes, empty.
@@ -418,3 +419,24 @@ def test_backward_op_gradient_takes_mean_and_rstd_as_inputs(device):
     assert torch.autograd.gradcheck(bwd, (dy, x, mean, rstd, w))
     assert torch.autograd.gradcheck(lambda dy, x, mean, rstd: _ops().layer_norm_bwd(
         dy, x, mean, rstd, None, None, 1, False, False)[0], (dy, x, mean, rstd))
+
+
+@pytest.mark.parametrize("affine", ["weight and bias", "bias only", "none"])
+def test_gradient_is_cpp_and_an_ordinary_backward_runs_no_python(affine):
+    # layer_norm_fwd's gradient is C++ (csrc/autograd/layer_norm_autograd.cpp): neither the forward nor an
+    # ordinary backward runs torch.library's Python wrappers, and the backward runs none of accel's own
+    # (layer_norm_bwd is called below autograd); the gradients still equal F.layer_norm's.
+    torch.manual_seed(3)
+    x = torch.randn(4, 10, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(10, dtype=torch.float64, requires_grad=True) if affine == "weight and bias" else None
+    b = torch.randn(10, dtype=torch.float64, requires_grad=True) if affine != "none" else None
+    g = torch.randn(4, 10, dtype=torch.float64)
+    fused_layer_norm(x, 10, w, b)  # loads the kernels outside the probed calls
+    assert "layer_norm_autograd.cpp" in autograd_kernel("accel::layer_norm_fwd")
+    leaves = [t for t in (x, w, b) if t is not None]
+    y, fwd_files = python_calls(lambda: fused_layer_norm(x, 10, w, b))
+    grads, bwd_files = python_calls(lambda: torch.autograd.grad(y, leaves, g))
+    assert not ran(fwd_files, LIBRARY) and not ran(bwd_files, LIBRARY, ACCEL_RUNTIME)
+    expected = torch.autograd.grad(F.layer_norm(x, (10,), w, b), leaves, g)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want)

@@ -8,6 +8,7 @@ import torchvision
 
 from accel.runtime.nn.nms import _ops as nms_ops
 from accel.runtime.nn.nms import (
+    _soft_nms_reference,
     batched_soft_nms,
     batched_soft_nms_reference,
     nms,
@@ -18,6 +19,7 @@ from accel.runtime.nn.nms import (
 )
 from accel.utils.xla import xla_available
 
+from ._autograd_probe import LIBRARY, autograd_kernel, python_calls, ran
 from ._params import DEVICES, NO_CUDA, tol
 
 try:  # an independent soft-NMS implementation (numpy); a test dependency, see pyproject.toml
@@ -335,6 +337,37 @@ def test_batched_soft_nms_keeps_scores_dtype(device):
     ref_inds, ref_s = batched_soft_nms_reference(boxes.float().cpu(), scores.cpu(), idxs.cpu())
     assert torch.equal(inds.cpu(), ref_inds)
     torch.testing.assert_close(s.cpu(), ref_s, rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------ autograd in C++
+
+
+@pytest.mark.parametrize("labelled", [False, True], ids=["soft", "batched"])
+def test_soft_nms_autograd_is_cpp_and_not_differentiable(labelled):
+    # nms_soft's autograd (not differentiable) is C++ (csrc/autograd/nms_autograd.cpp): a call with
+    # scores that require grad runs no torch.library.register_autograd Python (torch/_library/), and
+    # neither output requires grad. The kept boxes still carry gradients to dets, as a gather.
+    dets = _dets(40, 6).requires_grad_()
+    labels = (torch.arange(40) % 3) if labelled else None
+    soft_nms(dets.detach())  # loads the kernels outside the profiled call
+    assert "nms_autograd.cpp" in autograd_kernel("accel::nms_soft")
+    (inds, new_scores), files = python_calls(
+        lambda: torch.ops.accel.nms_soft(dets[:, :4], dets[:, 4], labels, 0.3, 0.5, 1e-3, 2))
+    assert not ran(files, LIBRARY)
+    assert not inds.requires_grad and not new_scores.requires_grad
+    ref_inds, ref_scores = _soft_nms_reference(dets.detach()[:, :4], dets.detach()[:, 4], labels, 0.3, 0.5,
+                                               1e-3, "gaussian")
+    assert torch.equal(inds, ref_inds)
+    torch.testing.assert_close(new_scores, ref_scores, rtol=1e-6, atol=1e-7)
+
+    out, kept = soft_nms(dets, 0.3, 0.5, 1e-3, "gaussian")
+    assert out.requires_grad
+    out.sum().backward()
+    expected = torch.zeros_like(dets)
+    expected[kept, :4] = 1
+    assert torch.equal(dets.grad, expected)
+    _, scores = batched_soft_nms(dets[:, :4], dets[:, 4], torch.arange(40) % 3)
+    assert not scores.requires_grad
 
 
 # ------------------------------------------------------------------ ensemble_boxes as a soft-NMS peer

@@ -1,8 +1,10 @@
+
 import pytest
 import torch
 
 from accel.runtime.nn.quick_gelu import QuickGelu, quick_gelu, quick_gelu_reference
 
+from ._autograd_probe import ACCEL_RUNTIME, LIBRARY, autograd_kernel, python_calls, ran
 from ._params import DEVICES, DTYPES, NO_CUDA, tol
 
 
@@ -211,3 +213,19 @@ def test_gradient_penalty_matches_plain_pytorch(device, dtype):
     # first derivative (which the second-order term is built from) differently in the two paths
     tolerance = {"rtol": 5e-2, "atol": 5e-2} if dtype == torch.bfloat16 else tol(dtype)
     torch.testing.assert_close(grads(quick_gelu), grads(quick_gelu_reference), **tolerance)
+
+
+def test_gradient_is_cpp_and_an_ordinary_backward_runs_no_python():
+    # The forward op's gradient is C++ (csrc/autograd/quick_gelu_autograd.cpp): neither the forward nor
+    # an ordinary backward runs a torch.library.register_autograd gradient's Python (torch/_library/)
+    # or our own (accel/runtime/nn/); the backward op is called below autograd. (The CPU autograd
+    # engine runs a CPU graph on the calling thread, where the profile hook sees it.)
+    x, g = torch.randn(3, 5, requires_grad=True), torch.randn(3, 5)
+    quick_gelu(x)  # loads the kernels outside the profiled calls
+    assert "quick_gelu_autograd.cpp" in autograd_kernel("accel::quick_gelu_fwd")
+    y, fwd_files = python_calls(lambda: quick_gelu(x))
+    (dx,), bwd_files = python_calls(lambda: torch.autograd.grad(y, x, g))
+    assert not ran(fwd_files, LIBRARY)
+    assert not ran(bwd_files, LIBRARY, ACCEL_RUNTIME)
+    xr = x.detach().requires_grad_()
+    torch.testing.assert_close(dx, torch.autograd.grad(_by_hand(xr), xr, g)[0])

@@ -13,6 +13,7 @@ from accel.runtime.nn.window_process import (
 )
 from accel.utils.xla import xla_available
 
+from ._autograd_probe import ACCEL_RUNTIME, LIBRARY, autograd_kernel, python_calls, ran
 from ._params import DEVICES, DTYPES
 
 XLA_ON = bool(xla_available() and os.environ.get("PJRT_DEVICE"))
@@ -274,3 +275,29 @@ def test_gradient_penalty_matches_reference(device):
     ours = grads(lambda x: WindowProcess.apply(x, 2, 8, 12, 5, -2, 4))
     ref = grads(lambda x: window_process_reference(x, -2, 4))
     torch.testing.assert_close(ours, ref)
+
+
+@pytest.mark.parametrize("op", ["partition", "reverse"])
+def test_gradients_are_cpp_and_an_ordinary_backward_runs_no_python(op):
+    # Both ops' gradients are C++ (csrc/autograd/window_process_autograd.cpp): neither the forward nor
+    # an ordinary backward runs a torch.library.register_autograd gradient's Python (torch/_library/) or
+    # our own (accel/runtime/nn/); the other op is called below autograd. (The CPU autograd engine runs
+    # a CPU graph on the calling thread, where the profile hook sees it.) The gradients still match.
+    B, H, W, C, ws, shift = 2, 8, 12, 5, 4, -3
+    if op == "partition":
+        t = torch.randn(B, H, W, C, requires_grad=True)
+        fn, ref = (lambda t: WindowProcess.apply(t, B, H, W, C, shift, ws),
+                   lambda t: window_process_reference(t, shift, ws))
+    else:
+        t = torch.randn(B * (H // ws) * (W // ws), ws, ws, C, requires_grad=True)
+        fn, ref = (lambda t: WindowProcessReverse.apply(t, B, H, W, C, shift, ws),
+                   lambda t: window_process_reverse_reference(t, H, W, shift, ws))
+    g = torch.randn_like(ref(t.detach()))
+    fn(t)  # loads the kernels outside the profiled calls
+    assert "window_process_autograd.cpp" in autograd_kernel(f"accel::window_process_{op}")
+    y, fwd_files = python_calls(lambda: fn(t))
+    (dt,), bwd_files = python_calls(lambda: torch.autograd.grad(y, t, g))
+    assert not ran(fwd_files, LIBRARY)
+    assert not ran(bwd_files, LIBRARY, ACCEL_RUNTIME)
+    tr = t.detach().requires_grad_()
+    torch.testing.assert_close(dt, torch.autograd.grad(ref(tr), tr, g)[0], rtol=0, atol=0)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from accel.runtime import _build
-from accel.runtime.nn._common import check_same_device, check_tensor, use_kernel
+from accel.runtime.nn._common import FLOAT_DTYPES, check_same_device, check_tensor, use_kernel
 
 __all__ = ["bias_dropout_add", "dropout_add_fused_train", "dropout_add_fused", "bias_dropout_add_reference"]
 
@@ -53,9 +53,23 @@ def _check(x, bias, residual, prob, x_name="x", residual_name="residual", prob_n
     check_same_device(**{x_name: x, residual_name: residual, "bias": bias})
 
 
+def _common_call(x, bias, residual, prob) -> bool:
+    """True for the call a model makes every step: a float x on the CPU or a GPU, residual of x's shape,
+    dtype and device, bias None or of shape (x.shape[-1],) in x's dtype on x's device, a float prob in
+    [0, 1]. It accepts only valid calls and costs a few attribute reads; anything else goes through
+    _check, which names what is wrong, and the general path."""
+    if type(prob) is not float or not 0.0 <= prob <= 1.0 or not isinstance(x, torch.Tensor) \
+            or not isinstance(residual, torch.Tensor) or x.dtype not in FLOAT_DTYPES or not (x.is_cpu or x.is_cuda) \
+            or residual.dtype != x.dtype or residual.shape != x.shape or residual.device != x.device:
+        return False
+    return bias is None or (isinstance(bias, torch.Tensor) and bias.dtype == x.dtype and x.dim() > 0
+                            and bias.shape == x.shape[-1:] and bias.device == x.device)
+
+
 def _register():
-    """Output shapes for torch.compile, and the gradients (of the forward op and of the backward op):
-    the mask regenerated from rng_state."""
+    """Output shapes for torch.compile, and the backward op's gradient. The forward op's gradient is C++
+    (csrc/autograd/bias_dropout_add_autograd.cpp, as light per call as torch's own ops): it regenerates
+    the mask from rng_state by calling the backward op."""
 
     def fake_fwd(x, bias, residual, p, train):
         return torch.empty_like(x.contiguous()), torch.empty(2, dtype=torch.int64, device=x.device)
@@ -63,28 +77,6 @@ def _register():
     torch.library.register_fake("accel::bias_dropout_add_fwd")(fake_fwd)
     torch.library.register_fake("accel::bias_dropout_add_bwd")(
         lambda grad, rng_state, p: torch.empty_like(grad.contiguous()))
-
-    def setup_context(ctx, inputs, output):
-        x, bias, _, p, train = inputs
-        ctx.p = float(p)
-        ctx.dropout = bool(train) and ctx.p > 0.0
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(output[1])
-
-    def backward(ctx, grad_out, _grad_rng):
-        (rng_state,) = ctx.saved_tensors
-        if ctx.dropout:
-            grad_x = torch.ops.accel.bias_dropout_add_bwd(grad_out, rng_state, ctx.p)
-        else:
-            grad_x = grad_out
-        grad_bias = None
-        if ctx.has_bias and ctx.needs_input_grad[1]:
-            # accumulate in fp32 for fp16/bf16: the sum runs over every row
-            acc = torch.float64 if grad_x.dtype == torch.float64 else torch.float32
-            grad_bias = grad_x.reshape(-1, grad_x.shape[-1]).sum(0, dtype=acc).to(grad_x.dtype)
-        return grad_x, grad_bias, grad_out, None, None
-
-    torch.library.register_autograd("accel::bias_dropout_add_fwd", backward, setup_context=setup_context)
 
     # bias_dropout_add_bwd(g) = mask * g / (1 - p) is linear in g and scales each element by itself,
     # so its gradient is the same op on the incoming gradient. Registered so that create_graph=True
@@ -117,12 +109,16 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
 
     bias has shape (x.shape[-1],) (or is None); residual has x's shape; all share dtype and device.
     """
+    if _common_call(x, bias, residual, prob):
+        return _ops().bias_dropout_add_fwd(x, bias, residual, prob, bool(training))[0]
     _check(x, bias, residual, prob)
     return _fused(x, bias, residual, prob, training)
 
 
 def dropout_add_fused_train(x: torch.Tensor, to_add: torch.Tensor, drop_rate: float) -> torch.Tensor:
     """to_add + dropout(x, drop_rate), for training (TorchAcc's fused_bias_dropout_add)."""
+    if _common_call(x, None, to_add, drop_rate):
+        return _ops().bias_dropout_add_fwd(x, None, to_add, drop_rate, True)[0]
     _check(x, None, to_add, drop_rate, residual_name="to_add", prob_name="drop_rate")
     return _fused(x, None, to_add, drop_rate, True)
 
@@ -130,5 +126,6 @@ def dropout_add_fused_train(x: torch.Tensor, to_add: torch.Tensor, drop_rate: fl
 def dropout_add_fused(x: torch.Tensor, to_add: torch.Tensor, drop_rate: float) -> torch.Tensor:
     """x + to_add: the inference counterpart of dropout_add_fused_train (dropout is the identity).
     drop_rate is checked but unused, so the two calls are interchangeable."""
-    _check(x, None, to_add, drop_rate, residual_name="to_add", prob_name="drop_rate")
+    if not _common_call(x, None, to_add, drop_rate):
+        _check(x, None, to_add, drop_rate, residual_name="to_add", prob_name="drop_rate")
     return x + to_add

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from accel.runtime import _build
-from accel.runtime.nn._common import check_tensor, use_kernel
+from accel.runtime.nn._common import FLOAT_DTYPES, check_tensor, use_kernel
 
 _REDUCED = (torch.float16, torch.bfloat16)
 
@@ -144,6 +144,59 @@ def _check_args(input, offset, weight, bias, mask, stride, padding, dilation) ->
     return _Geometry(batch, out_channels, out_h, out_w, groups, offset_groups, stride, padding, dilation)
 
 
+def _fast_pair(value, minimum: int):
+    """_pair for the values a model passes (an int, or the tuple DCNv2's constructor made); None for
+    anything else, or out of range, which _pair then explains."""
+    if type(value) is int:
+        value = (value, value)
+    elif type(value) is not tuple or len(value) != 2 or type(value[0]) is not int or type(value[1]) is not int:
+        return None
+    return value if value[0] >= minimum and value[1] >= minimum else None
+
+
+def _common_call(input, offset, weight, bias, mask, stride, padding, dilation, offset_groups=None):
+    """(stride, padding, dilation) for the call a model makes every step, None for any other.
+
+    That call: float tensors of one dtype on one CPU or CUDA device, of the shapes _check_args asks
+    for, int or pair-of-int conv arguments in range, and (offset_groups, where given) offsets of that
+    many groups. It accepts only valid calls, so the kernel may run at once, and costs a few attribute
+    reads; anything else goes through _check_args, which names what is wrong, and the general path."""
+    tensor, param = torch.Tensor, nn.Parameter
+    if type(input) is not tensor or type(offset) is not tensor or not (input.is_cpu or input.is_cuda):
+        return None
+    dtype, device = input.dtype, input.device
+    if dtype not in FLOAT_DTYPES or input.dim() != 4 or offset.dim() != 4 or offset.dtype != dtype \
+            or offset.device != device:
+        return None
+    for t, ndim in ((weight, 4), (bias, 1), (mask, 4)):
+        if t is not None and ((type(t) is not tensor and type(t) is not param) or t.dim() != ndim
+                              or t.dtype != dtype or t.device != device):
+            return None
+    if weight is None:
+        return None
+    stride, padding, dilation = _fast_pair(stride, 1), _fast_pair(padding, 0), _fast_pair(dilation, 1)
+    if stride is None or padding is None or dilation is None:
+        return None
+    batch, channels, height, width = input.shape
+    out_channels, per_group, kh, kw = weight.shape
+    if not (channels and out_channels and per_group and kh and kw) or channels % per_group \
+            or out_channels % (channels // per_group):
+        return None
+    span_h, span_w = dilation[0] * (kh - 1) + 1, dilation[1] * (kw - 1) + 1
+    if height + 2 * padding[0] < span_h or width + 2 * padding[1] < span_w:
+        return None
+    out_h = (height + 2 * padding[0] - span_h) // stride[0] + 1
+    out_w = (width + 2 * padding[1] - span_w) // stride[1] + 1
+    taps = kh * kw
+    groups = offset.shape[1] // (2 * taps)
+    if not groups or offset.shape != (batch, 2 * taps * groups, out_h, out_w) or channels % groups \
+            or (offset_groups is not None and groups != offset_groups) \
+            or (mask is not None and mask.shape != (batch, groups * taps, out_h, out_w)) \
+            or (bias is not None and bias.shape != (out_channels,)):
+        return None
+    return stride, padding, dilation
+
+
 # ------------------------------------------------------------------ reference (plain PyTorch)
 
 
@@ -216,7 +269,9 @@ def _reference(input, offset, weight, bias, mask, geo: _Geometry) -> torch.Tenso
 
 
 def _register():
-    """Fake kernels (output shapes for torch.compile, with the same checks as the API) and autograd."""
+    """Fake kernels (output shapes for torch.compile, with the same checks as the API). The forward op's
+    gradient is C++ (csrc/autograd/dcn_v2_autograd.cpp), as light per call as torch's own ops: it calls
+    dcn_v2_bwd, which has no gradient of its own (no double backward)."""
 
     @torch.library.register_fake("accel::dcn_v2_fwd")
     def _fwd_fake(input, offset, weight, bias, mask, stride, padding, dilation):
@@ -239,22 +294,6 @@ def _register():
                 torch.empty_like(mask, memory_format=contiguous) if mask is not None else input.new_empty((0,)),
                 torch.empty_like(weight, memory_format=contiguous),
                 weight.new_empty((geo.out_channels,)))
-
-    def setup_context(ctx, inputs, output):
-        input, offset, weight, bias, mask, stride, padding, dilation = inputs
-        ctx.save_for_backward(input, offset, weight, mask)
-        ctx.has_bias = bias is not None
-        ctx.conv = (stride, padding, dilation)
-
-    def backward(ctx, grad):
-        input, offset, weight, mask = ctx.saved_tensors
-        gi, goff, gmask, gw, gb = torch.ops.accel.dcn_v2_bwd(grad, input, offset, weight, mask, *ctx.conv)
-        need = ctx.needs_input_grad
-        return (gi if need[0] else None, goff if need[1] else None, gw if need[2] else None,
-                gb if ctx.has_bias and need[3] else None, gmask if mask is not None and need[4] else None,
-                None, None, None)
-
-    torch.library.register_autograd("accel::dcn_v2_fwd", backward, setup_context=setup_context)
 
 
 def _ops():
@@ -294,11 +333,13 @@ def deform_conv2d(input: torch.Tensor, offset: torch.Tensor, weight: torch.Tenso
         TypeError: an argument of the wrong type or dtype (message names it).
         ValueError: a wrong shape, device or value (message names it).
     """
-    geo = _check_args(input, offset, weight, bias, mask, stride, padding, dilation)
-    if not use_kernel(input):
-        return _reference(input, offset, weight, bias, mask, geo)
-    return _ops().dcn_v2_fwd(input, offset, weight, bias, mask, list(geo.stride), list(geo.padding),
-                             list(geo.dilation))
+    conv = _common_call(input, offset, weight, bias, mask, stride, padding, dilation)
+    if conv is None:
+        geo = _check_args(input, offset, weight, bias, mask, stride, padding, dilation)
+        if not use_kernel(input):
+            return _reference(input, offset, weight, bias, mask, geo)
+        conv = geo.stride, geo.padding, geo.dilation
+    return _ops().dcn_v2_fwd(input, offset, weight, bias, mask, *conv)
 
 
 def dcn_v2_conv(input: torch.Tensor, offset: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor,
@@ -399,7 +440,12 @@ class DCNv2(nn.Module):
         return s + ("" if self.bias is not None else ", bias=False")
 
     def _deform(self, input: torch.Tensor, offset: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        _check_offset_groups(offset, mask, self.weight, self.deformable_groups)
+        weight, bias = self.weight, self.bias
+        conv = _common_call(input, offset, weight, bias, mask, self.stride, self.padding, self.dilation,
+                            self.deformable_groups)
+        if conv is not None:  # the step's call: checked, nothing to cast
+            return _ops().dcn_v2_fwd(input, offset, weight, bias, mask, *conv)
+        _check_offset_groups(offset, mask, weight, self.deformable_groups)
 
         def cast(t):
             return t if t is None or not isinstance(input, torch.Tensor) or t.dtype == input.dtype \

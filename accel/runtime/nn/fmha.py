@@ -21,7 +21,7 @@ import operator
 import torch
 
 from accel.runtime import _build
-from accel.runtime.nn._common import check_same_device, check_tensor, use_kernel
+from accel.runtime.nn._common import FLOAT_DTYPES, check_same_device, check_tensor
 
 CUDA_MAX_WINDOW_LEN = 1024  # one warp per row, at most 32 values per lane in registers
 
@@ -52,9 +52,11 @@ def fmha_backward_reference(grad: torch.Tensor, out: torch.Tensor) -> tuple[torc
 
 
 def _register():
-    """Output shapes for torch.compile, and the gradients of the forward op and of the backward op,
-    the latter so that create_graph=True (double backward, gradient penalties) differentiates the
-    backward rather than taking it as a constant."""
+    """Output shapes for torch.compile, and the gradient of the backward op, so that create_graph=True
+    (double backward, gradient penalties) differentiates the backward rather than taking it as a
+    constant. The forward op's gradient is C++ (csrc/autograd/fmha_autograd.cpp), as light per call as
+    torch's own ops: the softmax output saved, fmha_swin_bwd in the backward, the bias gradient in the
+    bias's dtype, none for the mask."""
     torch.library.register_fake("accel::fmha_swin_fwd")(
         lambda attn, bias, mask, window_num: torch.empty_like(attn.contiguous()))
 
@@ -63,17 +65,6 @@ def _register():
                 out.new_empty(out.shape[1:], dtype=_opmath(out.dtype)))
 
     torch.library.register_fake("accel::fmha_swin_bwd")(bwd_fake)
-
-    def setup_context(ctx, inputs, output):
-        ctx.bias_dtype = inputs[1].dtype
-        ctx.save_for_backward(output)
-
-    def backward(ctx, grad):
-        (out,) = ctx.saved_tensors
-        dx, dbias = torch.ops.accel.fmha_swin_bwd(grad, out)
-        return dx, dbias.to(ctx.bias_dtype), None, None
-
-    torch.library.register_autograd("accel::fmha_swin_fwd", backward, setup_context=setup_context)
 
     def bwd_setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs)
@@ -114,7 +105,8 @@ def _ops():
 
 
 def _kernel_for(attn: torch.Tensor) -> bool:
-    return use_kernel(attn) and (attn.device.type == "cpu" or attn.shape[-1] <= CUDA_MAX_WINDOW_LEN)
+    """The kernels serve CPU tensors and CUDA tensors with N <= CUDA_MAX_WINDOW_LEN (see use_kernel)."""
+    return attn.is_cpu or attn.is_cuda and attn.shape[-1] <= CUDA_MAX_WINDOW_LEN
 
 
 def _as_int(name: str, value) -> int:
@@ -152,18 +144,41 @@ def _check(attn, bias, mask, batch_size, window_num, num_head, window_len) -> No
                          f"got {tuple(mask.shape)}")
 
 
+def _common_call(attn, bias, mask, batch_size, window_num, num_head, window_len) -> bool:
+    """True for the call Swin's WindowAttention makes every step: float tensors on one device, attn
+    [batch_size * window_num, num_head, N, N] with window_len N (or its square root), bias [num_head, N, N],
+    mask None or [window_num, N, N], the sizes plain ints. It accepts only valid calls and costs a few
+    attribute reads (the kernels' own Python-free checks follow); anything else goes through _check,
+    which names what is wrong, and the general path."""
+    if type(attn) is not torch.Tensor or type(bias) is not torch.Tensor and type(bias) is not torch.nn.Parameter \
+            or type(batch_size) is not int or type(window_num) is not int or type(num_head) is not int \
+            or type(window_len) is not int or window_num < 1 \
+            or attn.dtype not in FLOAT_DTYPES or bias.dtype not in FLOAT_DTYPES:
+        return False
+    N = attn.shape[-1] if attn.dim() == 4 else -1
+    if window_len != N and window_len * window_len != N \
+            or attn.shape != (batch_size * window_num, num_head, N, N) or bias.shape != (num_head, N, N):
+        return False
+    device = attn.device
+    if bias.device != device:
+        return False
+    return mask is None or type(mask) is torch.Tensor and mask.dtype in FLOAT_DTYPES \
+        and mask.shape == (window_num, N, N) and mask.device == device
+
+
 class FusedSwinFmha:
     """softmax(attn + relative_pos_bias + attn_mask, -1) for Swin window attention; see the module doc.
 
     Called as FusedSwinFmha.apply(...), the interface of the torch.autograd.Function it once was. The
-    gradient is the one registered for the kernel op with torch.library (which composes with
-    torch.compile and higher-order autograd), or plain autograd through the reference elsewhere.
+    gradient is the one registered for the kernel op (csrc/autograd/fmha_autograd.cpp, which composes
+    with torch.compile and higher-order autograd), or plain autograd through the reference elsewhere.
     """
 
     @staticmethod
     def apply(attn, relative_pos_bias, attn_mask, batch_size, window_num, num_head, window_len):
-        _check(attn, relative_pos_bias, attn_mask, batch_size, window_num, num_head, window_len)
-        window_num = operator.index(window_num)
+        if not _common_call(attn, relative_pos_bias, attn_mask, batch_size, window_num, num_head, window_len):
+            _check(attn, relative_pos_bias, attn_mask, batch_size, window_num, num_head, window_len)
+            window_num = operator.index(window_num)
         if _kernel_for(attn):
             return _ops().fmha_swin_fwd(attn, relative_pos_bias, attn_mask, window_num)
         # detached: the mask gets no gradient on the kernel path either

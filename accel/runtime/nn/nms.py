@@ -101,6 +101,27 @@ def _check_soft_args(iou_threshold, sigma, min_score, method):
     return thr, sig, low, code
 
 
+def _common_boxes(boxes, scores) -> bool:
+    """True for the boxes and scores a detector passes every step: float tensors [N, 4] and [N] on one
+    CPU or CUDA device. Accepts only what _check_boxes_scores accepts (and the kernels serve), for a
+    few attribute reads; anything else goes through the checks, which name what is wrong."""
+    return type(boxes) is torch.Tensor and type(scores) is torch.Tensor and (boxes.is_cpu or boxes.is_cuda) \
+        and boxes.dtype in FLOAT_DTYPES and scores.dtype in FLOAT_DTYPES and boxes.dim() == 2 \
+        and boxes.shape[1] == 4 and scores.dim() == 1 and scores.shape[0] == boxes.shape[0] \
+        and scores.device == boxes.device
+
+
+def _common_soft_args(iou_threshold, sigma, min_score, method):
+    """_check_soft_args's result for float thresholds (not NaN) and a method named by a str; None for
+    anything else, which _check_soft_args then checks and explains."""
+    code = METHODS.get(method) if type(method) is str else None
+    if code is None or type(iou_threshold) is not float or type(sigma) is not float \
+            or type(min_score) is not float or iou_threshold != iou_threshold or min_score != min_score \
+            or not (sigma > 0 or (code != METHODS["gaussian"] and sigma == sigma)):
+        return None
+    return iou_threshold, sigma, min_score, code
+
+
 # ------------------------------------------------------------------ references (plain PyTorch)
 
 
@@ -197,8 +218,9 @@ def batched_soft_nms_reference(boxes, scores, idxs, iou_threshold=0.5, sigma=0.5
 
 
 def _register():
-    """Fake (meta) kernels: the number of kept boxes is only known at run time. And soft-NMS's
-    autograd contract: not differentiable."""
+    """Fake (meta) kernels: the number of kept boxes is only known at run time. (Soft-NMS's autograd
+    contract, not differentiable, is C++: csrc/autograd/nms_autograd.cpp, as light per call as torch's
+    own ops.)"""
 
     @torch.library.register_fake("accel::nms")
     def _(boxes, scores, iou_threshold):
@@ -209,18 +231,6 @@ def _register():
     def _(boxes, scores, labels, iou_threshold, sigma, min_score, method):
         k = torch.library.get_ctx().new_dynamic_size()
         return boxes.new_empty((k,), dtype=torch.int64), boxes.new_empty((k,), dtype=_math_dtype(boxes))
-
-    # Without an autograd registration, scores that require grad (a detector's head, in training)
-    # gave rescored scores that required grad too, through torch's fallback node, which only warns
-    # and backpropagates nothing (and opcheck's AOTAutograd check, trying to differentiate them,
-    # failed). Non-differentiable outputs say what is true: no gradient flows through NMS.
-    def soft_setup_context(ctx, inputs, output):
-        ctx.mark_non_differentiable(*output)
-
-    def soft_backward(ctx, grad_inds, grad_scores):
-        raise RuntimeError("accel::nms_soft is not differentiable")  # unreachable: no output needs a grad
-
-    torch.library.register_autograd("accel::nms_soft", soft_backward, setup_context=soft_setup_context)
 
 
 def _ops():
@@ -254,6 +264,8 @@ def nms(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float) -> torc
     boxes [N, 4] (x1, y1, x2, y2), scores [N]; a box is suppressed by a kept, higher-scoring box
     when their IoU is > iou_threshold.
     """
+    if _common_boxes(boxes, scores) and type(iou_threshold) is float and iou_threshold == iou_threshold:
+        return _ops().nms(boxes, scores, iou_threshold)  # the step's call: checked
     _check_boxes_scores(boxes, scores)
     thr = _check_number("iou_threshold", iou_threshold)
     if use_kernel(boxes):
@@ -275,16 +287,24 @@ def soft_nms(dets: torch.Tensor, iou_threshold: float = 0.3, sigma: float = 0.5,
     Returns (kept dets [K, 5] with their rescored scores, inds [K] int64 into dets), both in
     selection order (which is decreasing rescored score).
     """
-    _check_dets(dets)
-    thr, sig, low, code = _check_soft_args(iou_threshold, sigma, min_score, method)
+    args = _common_soft_args(iou_threshold, sigma, min_score, method)
+    if args is None or type(dets) is not torch.Tensor or not (dets.is_cpu or dets.is_cuda) \
+            or dets.dtype not in FLOAT_DTYPES or dets.dim() != 2 or dets.shape[1] != 5:
+        _check_dets(dets)
+        args = _check_soft_args(iou_threshold, sigma, min_score, method)
+    thr, sig, low, code = args
     if use_kernel(dets):
         inds, new_scores = _ops().nms_soft(dets[:, :4], dets[:, 4], None, thr, sig, low, code)
     else:
         (host,) = _to_host(dets)
         inds, new_scores = (t.to(dets.device) for t in _ops().nms_soft(host[:, :4], host[:, 4], None, thr, sig,
                                                                         low, code))
-    # index_select, not dets[inds, :4]: mixed advanced/slice indexing is ~1000x slower on CPU
-    return torch.cat([dets[:, :4].index_select(0, inds), new_scores.to(dets.dtype).unsqueeze(1)], dim=1), inds
+    # index_select, not dets[inds]: advanced indexing is much slower on CPU. The kept rows with their
+    # scores overwritten: the boxes carry gradients to dets as a gather, the rescored scores none
+    # (two ops where cat of the boxes and the scores took five).
+    out = dets.index_select(0, inds)
+    out.select(1, 4).copy_(new_scores)
+    return out, inds
 
 
 def _check_batched(boxes, scores, idxs) -> None:
@@ -303,8 +323,12 @@ def batched_soft_nms(boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tens
     decreasing rescored score, ties by input index. Equal to running soft_nms on each class and
     merging the results in that order.
     """
-    _check_batched(boxes, scores, idxs)
-    thr, sig, low, code = _check_soft_args(iou_threshold, sigma, score_threshold, method)
+    args = _common_soft_args(iou_threshold, sigma, score_threshold, method)
+    if args is None or not _common_boxes(boxes, scores) or type(idxs) is not torch.Tensor \
+            or idxs.dtype not in INT_DTYPES or idxs.shape != scores.shape or idxs.device != boxes.device:
+        _check_batched(boxes, scores, idxs)
+        args = _check_soft_args(iou_threshold, sigma, score_threshold, method)
+    thr, sig, low, code = args
     if use_kernel(boxes):
         inds, new_scores = _ops().nms_soft(boxes, scores, idxs.long(), thr, sig, low, code)
     else:

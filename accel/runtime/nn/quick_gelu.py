@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from accel.runtime import _build
-from accel.runtime.nn._common import check_tensor, use_kernel
+from accel.runtime.nn._common import FLOAT_DTYPES, check_tensor, use_kernel
 
 ALPHA = 1.702
 
@@ -36,21 +36,13 @@ def _second_derivative(x: torch.Tensor) -> torch.Tensor:
 
 
 def _register():
-    """Teach torch.library the kernels' output shapes (for torch.compile) and gradients: that of the
-    forward op is the backward op, and the backward op has its own, so create_graph=True (double
-    backward, gradient penalties) differentiates through it instead of treating it as a constant."""
+    """Teach torch.library the kernels' output shapes (for torch.compile) and the backward op's gradient.
+    The forward op's gradient is C++ (csrc/autograd/quick_gelu_autograd.cpp, as light per call as
+    torch's own ops) and calls the backward op; that one has a gradient of its own, so create_graph=True
+    (double backward, gradient penalties) differentiates through it instead of treating it as a constant."""
     torch.library.register_fake("accel::quick_gelu_fwd")(lambda x: torch.empty_like(x.contiguous()))
     torch.library.register_fake("accel::quick_gelu_bwd")(
         lambda grad, x: torch.empty_like(x.contiguous()))
-
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return torch.ops.accel.quick_gelu_bwd(grad, x)
-
-    torch.library.register_autograd("accel::quick_gelu_fwd", backward, setup_context=setup_context)
 
     # quick_gelu_bwd(g, x) = g f'(x): linear in g, whose gradient is therefore the same op again,
     # and g f''(x) in x.
@@ -75,6 +67,10 @@ def _ops():
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    # the common call (a float tensor on the CPU or a GPU) goes straight to the kernel; anything else
+    # is checked, which names what is wrong, or takes the reference (XLA)
+    if isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES and (x.is_cpu or x.is_cuda):
+        return _ops().quick_gelu_fwd(x)
     check_tensor("x", x)
     if use_kernel(x):
         return _ops().quick_gelu_fwd(x)

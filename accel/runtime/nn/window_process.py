@@ -18,7 +18,7 @@ import operator
 import torch
 
 from accel.runtime import _build
-from accel.runtime.nn._common import check_tensor, use_kernel
+from accel.runtime.nn._common import FLOAT_DTYPES, check_tensor, use_kernel
 
 
 def window_partition(x: torch.Tensor, window_size: int) -> torch.Tensor:
@@ -47,7 +47,8 @@ def window_process_reverse_reference(windows: torch.Tensor, H: int, W: int, shif
 
 
 def _register():
-    """Output shapes for torch.compile, and the gradients of the raw ops (each other's inverse)."""
+    """Output shapes for torch.compile. The raw ops' gradients (each other's inverse) are C++
+    (csrc/autograd/window_process_autograd.cpp), as light per call as torch's own ops."""
     def partition_fake(x, window_size, shift):
         B, H, W, C = x.shape
         return x.new_empty((B * (H // window_size) * (W // window_size), window_size, window_size, C))
@@ -58,26 +59,6 @@ def _register():
 
     torch.library.register_fake("accel::window_process_partition")(partition_fake)
     torch.library.register_fake("accel::window_process_reverse")(reverse_fake)
-
-    def partition_setup(ctx, inputs, output):
-        x, ctx.window_size, ctx.shift = inputs
-        ctx.H, ctx.W = x.shape[1], x.shape[2]
-
-    def partition_backward(ctx, grad):
-        return (torch.ops.accel.window_process_reverse(grad, ctx.H, ctx.W, ctx.window_size, -ctx.shift),
-                None, None)
-
-    def reverse_setup(ctx, inputs, output):
-        _, _, _, ctx.window_size, ctx.shift = inputs
-
-    def reverse_backward(ctx, grad):
-        return (torch.ops.accel.window_process_partition(grad, ctx.window_size, -ctx.shift),
-                None, None, None, None)
-
-    torch.library.register_autograd("accel::window_process_partition", partition_backward,
-                                    setup_context=partition_setup)
-    torch.library.register_autograd("accel::window_process_reverse", reverse_backward,
-                                    setup_context=reverse_setup)
 
 
 def _ops():
@@ -120,14 +101,28 @@ def _reverse(windows, H, W, shift, ws):
     return window_process_reverse_reference(windows, H, W, shift, ws)
 
 
+def _common_call(t, B, H, W, C, shift_size, window_size) -> bool:
+    """True for the call a Swin block makes every step, but for t's shape (each op checks its own): a
+    float tensor t on the CPU or a GPU, the sizes and the shift plain ints, window_size a positive
+    divisor of H and W. It accepts only valid calls and costs a few attribute reads; anything else goes
+    through the checks that name what is wrong, and the general path."""
+    return type(B) is int and type(H) is int and type(W) is int and type(C) is int \
+        and type(shift_size) is int and type(window_size) is int \
+        and window_size > 0 and H > 0 and W > 0 and not H % window_size and not W % window_size \
+        and type(t) is torch.Tensor and (t.is_cpu or t.is_cuda) and t.dtype in FLOAT_DTYPES
+
+
 # Plain classes called as WindowProcess.apply(...), the interface of the torch.autograd.Function each
-# once was: the gradient is the one registered for the kernel ops with torch.library (which composes
-# with torch.compile and higher-order autograd), or plain autograd through the reference elsewhere.
+# once was: the gradient is the one registered for the kernel ops (csrc/autograd/window_process_autograd.cpp,
+# which composes with torch.compile and higher-order autograd), or plain autograd through the reference
+# elsewhere.
 class WindowProcess:
     """windows = window_partition(torch.roll(x, (shift_size, shift_size), (1, 2)), window_size)."""
 
     @staticmethod
     def apply(x, B, H, W, C, shift_size, window_size):
+        if _common_call(x, B, H, W, C, shift_size, window_size) and x.shape == (B, H, W, C):
+            return _ops().window_process_partition(x, window_size, shift_size)
         B, H, W, C, shift, ws = _check_geometry(B, H, W, C, shift_size, window_size)
         check_tensor("x", x, ndim=4)
         if tuple(x.shape) != (B, H, W, C):
@@ -140,6 +135,9 @@ class WindowProcessReverse:
 
     @staticmethod
     def apply(windows, B, H, W, C, shift_size, window_size):
+        if _common_call(windows, B, H, W, C, shift_size, window_size) \
+                and windows.shape == (B * (H // window_size) * (W // window_size), window_size, window_size, C):
+            return _ops().window_process_reverse(windows, H, W, window_size, shift_size)
         B, H, W, C, shift, ws = _check_geometry(B, H, W, C, shift_size, window_size)
         check_tensor("windows", windows, ndim=4)
         expected = (B * (H // ws) * (W // ws), ws, ws, C)
