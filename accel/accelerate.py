@@ -33,6 +33,9 @@ What it does, in order (each step says why it sits where it does):
    of dist.fsdp.wrap_layer_cls, or per repeated block), HSDP for both; on xla, gradients averaged at each
    optimizer step (accel.distributed). It wraps after the steps above (FSDP2 shards the parameters the
    model ends up with) and before compile (the compiled graph includes the wrapper's hooks).
+   FSDP on xla (dist.fsdp.size > 1) is different: ONE process drives all devices with torch_xla SPMD
+   (switched on at the start, before anything touches the device), FSDPv2 shards the parameters over the
+   mesh's 'fsdp' axis, and the loader splits each batch over the mesh (accel.xla.fsdp).
    Gradient accumulation: `with accel.accumulate(model, steps):` around each micro-batch.
 9. the loader: each rank gets its share (a DistributedSampler; accel.data.sharding), made resumable
    (accel.data.ResumableLoader: accel.save_state records the epoch and position, set_epoch at every
@@ -43,7 +46,8 @@ What it does, in order (each step says why it sits where it does):
 
 The model is modified in place where possible (kernels, checkpointing, FSDP2, compile) and returned; its
 state_dict keys stay as they were except under packing (the wrapper holds the model as `.model`) and DDP
-(`.module`).
+(`.module`). xla's FSDPv2 wrapper holds it as `_orig_module` (so do the wrapped blocks, in their parents),
+but its state_dict()/load_state_dict() use the plain keys.
 """
 from __future__ import annotations
 
@@ -143,7 +147,7 @@ def _compile(model: nn.Module, backend: str, cuda_graphs: bool, n_shapes: int) -
     model.compile(dynamic=False, mode=mode)
 
 
-def _wrap_loader(loader, config: Config, backend: str, device: torch.device):
+def _wrap_loader(loader, config: Config, backend: str, device: torch.device, input_sharding=None):
     from accel.data.bucketing import BucketPaddedLoader
     from accel.data.device_loader import MpDeviceLoader
     from accel.data.resumable import ResumableLoader
@@ -166,7 +170,11 @@ def _wrap_loader(loader, config: Config, backend: str, device: torch.device):
         loader = resumable
     if buckets is not None and not dl.pack:
         loader = BucketPaddedLoader(loader, buckets, dl.pad_value_dict)
-    loader = MpDeviceLoader(loader, device) if backend == "xla" else Prefetcher(loader, device=device)
+    if backend == "xla":
+        # SPMD (FSDP on xla): each batch is the global one, uploaded split along dim 0 over the mesh.
+        loader = MpDeviceLoader(loader, device, input_sharding=input_sharding)
+    else:
+        loader = Prefetcher(loader, device=device)
     if config.compute.recompile_guard:
         from accel.compiler.recompile_guard import GuardedLoader, RecompileGuard
 
@@ -207,7 +215,12 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
                       stacklevel=2)
 
     backend = resolve_backend(config.backend)
-    config.dist.sizes(distributed.start_process_group(backend))  # refuse sizes that do not fit before any work
+    # Refuse sizes that do not fit before any work. FSDP on xla is SPMD: one process, and the world is the
+    # devices it drives; SPMD is switched on here, before the model's first XLA computation.
+    if distributed.uses_spmd(backend, config.dist):
+        config.dist.sizes(distributed.start_spmd(config.dist), distributed.SPMD_WORLD)
+    else:
+        config.dist.sizes(distributed.start_process_group(backend))
     device = _device(backend)
     dtype = _autocast_dtype(config, backend)
     compiled = config.compute.compile and backend != "xla"
@@ -237,4 +250,4 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
 
     if dataloader is None:
         return model
-    return model, _wrap_loader(dataloader, config, backend, device)
+    return model, _wrap_loader(dataloader, config, backend, device, distributed.input_sharding(model))

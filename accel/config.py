@@ -185,9 +185,10 @@ class DataLoaderConfig(_Section):
 
 @dataclass
 class DPConfig(_Section):
-    """Data parallel: size replicas of the model (DDP on cuda/cpu, gradient all-reduce on xla).
+    """Data parallel: size replicas of the model (DDP on cuda/cpu, gradient all-reduce on xla; with
+    dist.fsdp.size > 1 on xla, the 'dp' axis of the SPMD mesh).
 
-    size: None means world_size / dist.fsdp.size.
+    size: None means world_size / dist.fsdp.size (on xla with FSDP: the SPMD device count / dist.fsdp.size).
     """
 
     _prefix = "dist.dp"
@@ -199,13 +200,15 @@ class DPConfig(_Section):
 
 @dataclass
 class FSDPConfig(_Section):
-    """Fully sharded data parallel over size ranks (torch FSDP2, fully_shard).
+    """Fully sharded data parallel over size ranks (torch FSDP2, fully_shard, on cuda/cpu); on xla over
+    size devices of the SPMD mesh's 'fsdp' axis, in one process (torch_xla's FSDPv2; accel.xla.fsdp).
 
     wrap_layer_cls: class names of the blocks that become one FSDP unit each; None: the repeated
         blocks accel.auto_checkpoint finds.
-    flatten_parameters: TorchAcc's field, kept so its configs load. FSDP2 shards every parameter on
-        its own (no flat parameter), so it has no effect there.
-    cpu_offload: keep the sharded parameters, gradients and optimizer state in host memory.
+    flatten_parameters: TorchAcc's field, kept so its configs load. FSDP2 and FSDPv2 shard every
+        parameter on its own (no flat parameter), so it has no effect there.
+    cpu_offload: keep the sharded parameters, gradients and optimizer state in host memory (FSDP2 only:
+        refused on xla, where FSDPv2 has no offload).
     """
 
     _prefix = "dist.fsdp"
@@ -249,16 +252,17 @@ class DistConfig(_Section):
             raise ValueError(f"dist.topology: expected an ordering of {list(TOPOLOGY_AXES)}, got {self.topology!r}")
         self.topology = list(self.topology)
 
-    def sizes(self, world_size: int) -> tuple[int, int]:
-        """(dp, fsdp) for a run of world_size ranks; ValueError naming the fields when they do not fit."""
+    def sizes(self, world_size: int, world: str = "the world size") -> tuple[int, int]:
+        """(dp, fsdp) for a run of world_size ranks; ValueError naming the fields when they do not fit.
+        `world` names what world_size counts in the message (the xla FSDP path: the SPMD device count)."""
         fsdp = self.fsdp.size
         if self.dp.size is None:
             if world_size % fsdp:
-                raise ValueError(f"dist.fsdp.size={fsdp} does not divide the world size {world_size}")
+                raise ValueError(f"dist.fsdp.size={fsdp} does not divide {world} {world_size}")
             return world_size // fsdp, fsdp
         if self.dp.size * fsdp != world_size:
             raise ValueError(f"dist.dp.size * dist.fsdp.size = {self.dp.size} * {fsdp} = {self.dp.size * fsdp}, "
-                             f"but the world size is {world_size}")
+                             f"but {world} is {world_size}")
         return self.dp.size, fsdp
 
 

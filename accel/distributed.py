@@ -1,6 +1,8 @@
-"""Distributed training for accelerate(): the process group, DDP / FSDP2 wrapping, gradient accumulation.
+"""Distributed training for accelerate(): the process group, DDP / FSDP2 / XLA SPMD FSDP wrapping, gradient
+accumulation.
 
-accelerate() calls `start_process_group` and `wrap_model`; users call `accumulate` around each micro-batch:
+accelerate() calls `start_process_group` (or `start_spmd`) and `wrap_model`; users call `accumulate` around
+each micro-batch:
 
     for i, batch in enumerate(loader):
         with accel.accumulate(model, steps=N):
@@ -15,8 +17,18 @@ What runs where:
 - xla: data parallel averages the gradients once per optimizer step over the xla group (one bucketed
   all-reduce, accel.xla.reduce_gradients) from a step pre-hook on the optimizer the user builds, so the
   usual loop (or accel.xla.optimizer_step, which then does not reduce a second time) works unchanged;
-  the sync-free GradScaler all-reduces its found_inf. FSDP on xla (torch_xla's SPMD sharding) is not
-  built yet: dist.fsdp.size > 1 with backend='xla' is refused with that message.
+  the sync-free GradScaler all-reduces its found_inf.
+  FSDP on xla (dist.fsdp.size > 1) is torch_xla's FSDPv2 in SPMD mode, in ONE process that drives every
+  device (accel.xla.fsdp): the "world" that dist.dp.size x dist.fsdp.size must fill is the SPMD device count
+  (CPU_NUM_DEVICES on the PJRT CPU client, the chips on TPU), not the process count. The mesh is
+  ('fsdp',) of fsdp.size devices, or with dp.size > 1 ('dp', 'fsdp') in dist.topology's order (parameters
+  sharded over fsdp, replicated over dp); one FSDPv2 unit per block of dist.fsdp.wrap_layer_cls (or the
+  repeated blocks), then the root; the loader uploads each batch split along dim 0 over the mesh. The
+  compiler inserts the all-gathers and gradient reduce-scatters, so no process group is started (several
+  processes launched by xlarun/torchrun are refused: SPMD and the xla process group exclude each other).
+  dist.fsdp.cpu_offload is refused (FSDPv2 has no offload); dist.fsdp.flatten_parameters has no effect
+  (every parameter is sharded on its own). On the PJRT CPU client this runs, and is tested, for
+  correctness; the memory saving and the overlap of communication with compute exist only on TPU.
 """
 from __future__ import annotations
 
@@ -82,7 +94,7 @@ def _mesh(device_type: str, dp: int, fsdp: int, topology: list):
     return DeviceMesh(device_type, ranks, mesh_dim_names=("dp", "fsdp"))
 
 
-def _fsdp_blocks(model: nn.Module, class_names) -> list[nn.Module]:
+def _named_fsdp_blocks(model: nn.Module, class_names) -> list[tuple[str, nn.Module]]:
     from accel.checkpoint import find_blocks_by_class, find_repeated_blocks
 
     if class_names:
@@ -92,7 +104,11 @@ def _fsdp_blocks(model: nn.Module, class_names) -> list[nn.Module]:
                              f"{sorted(class_names)}")
     else:
         _, found = find_repeated_blocks(model)
-    return [block for _, block in found]
+    return list(found)
+
+
+def _fsdp_blocks(model: nn.Module, class_names) -> list[nn.Module]:
+    return [block for _, block in _named_fsdp_blocks(model, class_names)]
 
 
 def _fully_shard(model: nn.Module, device: torch.device, dist_config: DistConfig, dp: int, fsdp: int,
@@ -114,17 +130,65 @@ def _fully_shard(model: nn.Module, device: torch.device, dist_config: DistConfig
     return model
 
 
+def uses_spmd(backend: str, dist_config: DistConfig) -> bool:
+    """FSDP on the xla backend: one SPMD process over all devices (see the module docstring)."""
+    return backend == "xla" and dist_config.fsdp.size > 1
+
+
+SPMD_WORLD = "the SPMD device count"
+
+
+def start_spmd(dist_config: DistConfig) -> int:
+    """For uses_spmd(): refuse what SPMD FSDP cannot do, then switch torch_xla into SPMD mode (before any
+    XLA computation of accelerate()); returns the number of devices the SPMD program spans."""
+    if dist_config.fsdp.cpu_offload:
+        raise ValueError("dist.fsdp.cpu_offload with backend='xla': torch_xla's SPMD FSDP (FSDPv2) has no "
+                         "offload; set it to False, or use the cuda/cpu backends (torch FSDP2)")
+    n = world_size()
+    if n > 1:
+        raise ValueError(f"dist.fsdp.size > 1 with backend='xla' runs ONE process that drives every device "
+                         f"(SPMD), but the launcher started WORLD_SIZE={n} processes: start one process (the "
+                         f"devices are the CPU_NUM_DEVICES of the PJRT CPU client, or the TPU chips)")
+    from accel.xla import spmd
+
+    spmd.enable_spmd()
+    return spmd.device_count()
+
+
+def _spmd_fully_shard(model: nn.Module, dist_config: DistConfig) -> nn.Module:
+    from accel.xla import fsdp as xla_fsdp
+    from accel.xla import spmd
+
+    dp, fsdp = dist_config.sizes(start_spmd(dist_config), SPMD_WORLD)
+    mesh = spmd.fsdp_mesh(fsdp, dp, dist_config.topology)
+    return xla_fsdp.fully_shard(model, mesh, _named_fsdp_blocks(model, dist_config.fsdp.wrap_layer_cls))
+
+
+def input_sharding(model: nn.Module):
+    """How the loader must place each batch for `model` (an accel.xla.spmd.BatchSharding for a model
+    wrapped by the xla FSDP path), else None."""
+    from accel.xla import fsdp as xla_fsdp
+
+    mesh = xla_fsdp.mesh_of(model)
+    if mesh is None:
+        return None
+    from accel.xla.spmd import BatchSharding
+
+    return BatchSharding(mesh)
+
+
 def wrap_model(model: nn.Module, backend: str, device: torch.device, dist_config: DistConfig,
                dtype: torch.dtype | None) -> nn.Module:
-    """The model wrapped for the configured data-parallel / sharded run (unchanged with one rank)."""
+    """The model wrapped for the configured data-parallel / sharded run (unchanged with one rank). On xla
+    with dist.fsdp.size > 1: FSDPv2 over the SPMD mesh (module docstring); autocast (dtype) is already
+    around the forward there, and the parameters stay fp32."""
+    if uses_spmd(backend, dist_config):
+        return _spmd_fully_shard(model, dist_config)
     n = world_size()
     dp, fsdp = dist_config.sizes(n)
     if n == 1:
         return model
     if backend == "xla":
-        if fsdp > 1:
-            raise ValueError("dist.fsdp.size > 1 with backend='xla': FSDP over torch_xla's SPMD sharding is not "
-                             "available in accel yet; use dist.dp (gradient all-reduce) or the cuda/cpu backends")
         _xla_data_parallel.add(model)
         return model
     if fsdp == 1:
@@ -162,10 +226,12 @@ def _data_parallel_module(model: nn.Module):
 def accumulate(model: nn.Module, steps: int):
     """Run one micro-batch of a group of `steps`: the first steps-1 of each group skip the gradient
     communication (DDP no_sync, FSDP2 set_requires_gradient_sync(False); on xla gradients are reduced
-    at the optimizer step anyway), the last one reduces the sum of all of them.
+    at the optimizer step anyway), the last one reduces the sum of all of them. On xla's SPMD FSDP
+    there is nothing to skip: the compiler places the gradient reduce-scatter in the graph of each
+    micro-batch's backward, and the graphs accumulate into the sharded .grad as usual.
 
     Args:
-        model: the model accelerate() returned (plain, DDP, FSDP2 or compiled).
+        model: the model accelerate() returned (plain, DDP, FSDP2, xla FSDPv2 or compiled).
         steps: micro-batches per optimizer step (int >= 1). Scale each loss by 1/steps to get the
             gradient of the mean over the group, as in the module docstring.
     """

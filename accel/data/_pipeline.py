@@ -34,9 +34,10 @@ END = _End()
 
 class TransferPipeline:
     def __init__(self, loader, device: torch.device, loader_prefetch_size: int, device_prefetch_size: int,
-                 name: str):
+                 name: str, input_sharding=None):
         self.loader = loader
         self.device = device
+        self.input_sharding = input_sharding  # XLA SPMD: how each batch tensor is split over the devices
         self.stop = threading.Event()
         self.host_queue: queue.Queue = queue.Queue(maxsize=loader_prefetch_size)
         self.device_queue: queue.Queue = queue.Queue(maxsize=device_prefetch_size)
@@ -90,7 +91,7 @@ class TransferPipeline:
         with torch.no_grad():
             if self.copier is not None:
                 return self.copier.start(self.copier.pin(batch))
-            return move_to_device(batch, self.device)
+            return move_to_device(batch, self.device, input_sharding=self.input_sharding)
 
     def claim(self, item):
         """In the consuming thread: the batch of a device-queue item, ready to use on its current stream."""

@@ -14,7 +14,7 @@ from accel.utils.batch import resolve_device
 from accel.utils.loader import LoaderWrapper
 from accel.utils.xla import is_xla_device, mark_step
 
-_OPTIONS = ("loader_prefetch_size", "device_prefetch_size")
+_OPTIONS = ("loader_prefetch_size", "device_prefetch_size", "input_sharding")
 
 
 def _positive_int(name: str, value) -> int:
@@ -26,11 +26,11 @@ def _positive_int(name: str, value) -> int:
 class _DeviceLoaderIterator:
     """One pass over the loader. Dropping it (or exhausting it) stops its threads."""
 
-    def __init__(self, loader, device, loader_prefetch_size: int, device_prefetch_size: int):
+    def __init__(self, loader, device, loader_prefetch_size: int, device_prefetch_size: int, input_sharding=None):
         self._device = device
         self._is_xla = is_xla_device(device)
         self._pipeline = TransferPipeline(loader, device, loader_prefetch_size, device_prefetch_size,
-                                          name="accel-MpDeviceLoader")
+                                          name="accel-MpDeviceLoader", input_sharding=input_sharding)
         self._len = len(loader) if hasattr(loader, "__len__") else None
         self._closed = False
 
@@ -79,6 +79,9 @@ class MpDeviceLoader(LoaderWrapper):
         device: the target device: "cpu", "cuda[:i]", or an XLA device (e.g. torch_xla.device()).
         loader_prefetch_size: how many host batches may wait for their copy (default 8).
         device_prefetch_size: how many batches may wait on the device (default 4).
+        input_sharding: XLA SPMD only (as torch_xla's loader): how each tensor is split over the devices
+            while it is uploaded; an accel.xla.spmd.BatchSharding (dim 0 over the mesh, for every tensor
+            of the batch) or a torch_xla ShardingSpec (tensors of its rank only). None: one device.
 
     Each `for` loop is a pass of its own with its own threads, as a DataLoader's are, so nested loops
     over one loader see every pair of batches. A loader exception is re-raised in the training loop with
@@ -92,6 +95,13 @@ class MpDeviceLoader(LoaderWrapper):
         if unknown:
             raise ValueError(f"MpDeviceLoader got unsupported option(s) {unknown}; supported: {list(_OPTIONS)}")
         self._device = resolve_device(device)
+        self._input_sharding = kwargs.get("input_sharding")
+        if self._input_sharding is not None:
+            if not is_xla_device(self._device):
+                raise ValueError(f"MpDeviceLoader: input_sharding needs an XLA device, got {self._device}")
+            if not callable(getattr(self._input_sharding, "xla_spec", None)):
+                raise ValueError("MpDeviceLoader: input_sharding must be an accel.xla.spmd.BatchSharding or a "
+                                 f"torch_xla ShardingSpec, got {type(self._input_sharding).__name__}")
         self._loader_prefetch_size = _positive_int("loader_prefetch_size", kwargs.get("loader_prefetch_size", 8))
         self._device_prefetch_size = _positive_int("device_prefetch_size", kwargs.get("device_prefetch_size", 4))
         self._passes: weakref.WeakSet = weakref.WeakSet()  # weak: a loop that breaks early frees its pass
@@ -102,7 +112,7 @@ class MpDeviceLoader(LoaderWrapper):
 
     def __iter__(self):
         iterator = _DeviceLoaderIterator(self.loader, self._device, self._loader_prefetch_size,
-                                         self._device_prefetch_size)
+                                         self._device_prefetch_size, self._input_sharding)
         self._passes.add(iterator)
         return iterator
 

@@ -90,29 +90,42 @@ def _object_to(device, non_blocking):
     return move
 
 
-def _xla_bulk_move(batch: Any, device: torch.device) -> Any:
-    """One bulk host-to-XLA transfer for all tensors of a batch (what torch_xla's own loader does)."""
+def _xla_bulk_move(batch: Any, device: torch.device, input_sharding=None) -> Any:
+    """One bulk host-to-XLA transfer for all tensors of a batch (what torch_xla's own loader does); with
+    input_sharding (SPMD), each tensor is uploaded already split over the devices."""
     import torch_xla.core.xla_model as xm
 
     tensors = iter_tensors(batch)
     if not tensors:
         return map_tensors(batch, lambda t: t, fallback_to=_object_to(device, False))
-    moved = iter(xm.send_cpu_data_to_device(tensors, device))
+    moved = iter(xm.send_cpu_data_to_device(tensors, device, input_sharding))
     return map_tensors(batch, lambda _t: next(moved), fallback_to=_object_to(device, False))
 
 
-def move_to_device(batch: Any, device, non_blocking: bool = False) -> Any:
-    """Copy every tensor of a nested batch to `device`, keeping the containers' types."""
+def move_to_device(batch: Any, device, non_blocking: bool = False, input_sharding=None) -> Any:
+    """Copy every tensor of a nested batch to `device`, keeping the containers' types.
+
+    input_sharding (XLA SPMD only): an accel.xla.spmd.BatchSharding (or a torch_xla ShardingSpec) that
+    places each tensor over the mesh's devices.
+    """
     device = torch.device(device)
     if is_xla_device(device) and xla_available():
         # The bulk path converts plain host tensors only (not subclasses, not tensors already on a device).
         host_only = all(type(t) is torch.Tensor and t.device.type == "cpu" for t in iter_tensors(batch))
         if host_only:
             try:
-                return _xla_bulk_move(batch, device)
+                return _xla_bulk_move(batch, device, input_sharding)
             except (ImportError, AttributeError):
                 # The bulk API moved in this torch_xla version; per-tensor copies are still correct.
                 pass
+    if input_sharding is not None and is_xla_device(device):
+        def move(t):
+            t = t.to(device)
+            if input_sharding.can_apply(t):
+                input_sharding.apply(t)
+            return t
+
+        return map_tensors(batch, move, fallback_to=_object_to(device, non_blocking))
     return map_tensors(
         batch,
         lambda t: t.to(device, non_blocking=non_blocking),
