@@ -158,7 +158,10 @@ CUDA_FLAGS: tuple[str, ...] = ("-O3",)
 def cxx_flags(cuda: bool, native: bool = True) -> list[str]:
     # JIT builds run where they are used, so they may target this CPU's vector units; an ahead-of-time
     # build (setup.py, native=False) may be copied to another machine and must not.
-    return ["-O3", *(("-march=native",) if native else ()), *OPENMP_FLAGS, *(("-DWITH_CUDA",) if cuda else ())]
+    # -fno-math-errno: sqrtf and friends need not set errno (nothing reads it), which lets GCC vectorize
+    # loops calling them; without it the fused Adam loop stayed scalar on AVX2 CPUs, 4x slower than torch's.
+    return ["-O3", "-fno-math-errno", *(("-march=native",) if native else ()), *OPENMP_FLAGS,
+            *(("-DWITH_CUDA",) if cuda else ())]
 
 
 def _ensure_ninja_on_path() -> None:
