@@ -13,6 +13,7 @@
 #include "nms_host.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <vector>
 
@@ -53,6 +54,19 @@ class RoundTimer {
   double cost_[2] = {0.0, 0.0};
   int64_t samples_[2] = {0, 0};
 };
+
+// Runs f(chunk) for every chunk in [0, chunks) on the thread pool, each thread claiming the next chunk
+// from a shared counter instead of getting an equal share up front. When another process holds a core,
+// the thread the OS left waiting starts late; with a fixed split the whole pass waited for its share,
+// here the running threads take it and the pass waits only for that thread to find nothing left.
+template <typename F>
+void for_each_chunk_claimed(int64_t chunks, F&& f) {
+  std::atomic<int64_t> next{0};
+  const int64_t tasks = std::min<int64_t>(at::get_num_threads(), chunks);
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    for (int64_t ch; (ch = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) f(ch);
+  });
+}
 
 // Hard NMS runs in blocks of kBlock boxes (by decreasing score): within a block, serially, each box
 // not yet suppressed is kept and suppresses the later boxes of its block; then the block's kept boxes
@@ -127,8 +141,11 @@ at::Tensor nms_cpu(const at::Tensor& boxes_, const at::Tensor& scores_, double i
         const bool parallel = timer.parallel_next(start / kBlock);
         timer.time(parallel, work, [&] {
           if (parallel) {
-            at::parallel_for(end, n, std::max<int64_t>(1, kParallelWork / 4 / std::max<int64_t>(1, block_kept.size())),
-                             suppress_rest);
+            // chunks of ~kParallelWork / 16 IoUs: small enough for a late thread's share to be taken over
+            const int64_t step = std::max<int64_t>(1, kParallelWork / 16 / static_cast<int64_t>(block_kept.size()));
+            for_each_chunk_claimed((n - end + step - 1) / step, [&](int64_t ch) {
+              suppress_rest(end + ch * step, std::min(n, end + (ch + 1) * step));
+            });
           } else {
             suppress_rest(end, n);
           }
@@ -261,12 +278,10 @@ int64_t soft_nms_loop(const T* box, const T* score, int64_t n, T thr, T sigma,
         }
         const int64_t chunks = std::min<int64_t>(max_chunks, c.size / 4096);
         const int64_t step = (c.size + chunks - 1) / chunks;
-        at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
-          for (int64_t ch = cb; ch < ce; ++ch) {
-            int64_t d = 0;
-            chunk_best[ch] = decay(ch * step, std::min(c.size, (ch + 1) * step), bx1, by1, bx2, by2, barea, d);
-            chunk_died[ch] = d;
-          }
+        for_each_chunk_claimed(chunks, [&](int64_t ch) {
+          int64_t d = 0;
+          chunk_best[ch] = decay(ch * step, std::min(c.size, (ch + 1) * step), bx1, by1, bx2, by2, barea, d);
+          chunk_died[ch] = d;
         });
         best = -1;
         for (int64_t ch = 0; ch < chunks; ++ch) {
