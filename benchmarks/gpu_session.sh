@@ -9,7 +9,8 @@
 # 3. the GPU-relevant tests, pytest -n 8        -> $OUT/pytest.log
 # 4. benchmarks/bert_base.py --workload both    -> $OUT/bert_base.log, bert_base_cuda.json/png
 # 5. benchmarks/multi_stream.py                -> $OUT/multi_stream.log, multi_stream.json/png
-# 6. benchmarks/kernels.py --device cuda        -> $OUT/kernels.log, kernels_cuda.json/png
+# 6. benchmarks/host_cost.py --device cuda      -> $OUT/host_cost.log, host_cost_cuda.json/png
+# 7. benchmarks/kernels.py --device cuda        -> $OUT/kernels.log, kernels_cuda.json/png
 # The result files this session writes in benchmarks/results/ are copied to $OUT. A failing step does not
 # stop the next; $OUT/exit_codes.txt has "<step> <exit status> <seconds>" per step (124: timed out) and
 # the script exits 1 when any step failed. The whole session fits 10 minutes of wall clock: each step's
@@ -90,7 +91,9 @@ BERT_S=$(budget 330 60)
 step bert_base "$BERT_S" "$PY" benchmarks/bert_base.py --workload both --fixed-sizes 32x128,256x128,64x512 \
   --budget-s $(( BERT_S > 160 ? BERT_S - 100 : 60 ))
 collect_results
-step multi_stream "$(budget 60 60)" "$PY" benchmarks/multi_stream.py
+step multi_stream "$(budget 60 100)" "$PY" benchmarks/multi_stream.py
+collect_results
+step host_cost "$(budget 40 60)" "$PY" benchmarks/host_cost.py --device cuda --rounds 9
 collect_results
 step kernels "$(budget 90 0)" "$PY" benchmarks/kernels.py --device cuda
 collect_results
