@@ -28,13 +28,17 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def _number(x) -> str:
+    return str(x) if isinstance(x, int) else format(x, "g")  # ints in full: 2**63 - 1, not 9.22337e+18
+
+
 def _bounds(min, max, min_inclusive: bool, max_inclusive: bool) -> str:
     if min is not None and max is not None:
-        return f"in {'[' if min_inclusive else '('}{min:g}, {max:g}{']' if max_inclusive else ')'}"
+        return f"in {'[' if min_inclusive else '('}{_number(min)}, {_number(max)}{']' if max_inclusive else ')'}"
     if min is not None:
-        return f"{'>=' if min_inclusive else '>'} {min:g}"
+        return f"{'>=' if min_inclusive else '>'} {_number(min)}"
     if max is not None:
-        return f"{'<=' if max_inclusive else '<'} {max:g}"
+        return f"{'<=' if max_inclusive else '<'} {_number(max)}"
     return ""
 
 

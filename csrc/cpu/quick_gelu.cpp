@@ -12,9 +12,32 @@ namespace {
 
 constexpr double kAlpha = 1.702;
 
+// Layouts, as torch's elementwise ops lay out their results: the output has x's strides when x is
+// non-overlapping and dense (contiguous, channels-last, any permutation of dims), at::empty_like(x)'s
+// dense strides in x's order of dims otherwise (a slice with gaps). Every tensor a kernel reads or
+// writes then fills the numel() elements from its data pointer in one and the same order, so the
+// kernels run over memory in storage order, whatever that order is.
+
+// x itself when it is non-overlapping and dense, else a copy laid out as at::empty_like(x) (the clone
+// of torch's default preserve_format).
+at::Tensor dense(const at::Tensor& x) { return x.is_non_overlapping_and_dense() ? x : x.clone(); }
+
+// t (of like's shape) if it has the strides of like (dense), else a copy with like's strides. Strides of
+// size-1 dims are never used, so they need not agree.
+at::Tensor strided_like(const at::Tensor& t, const at::Tensor& like) {
+  for (int64_t d = 0; d < like.dim(); ++d) {
+    if (like.size(d) != 1 && t.stride(d) != like.stride(d)) {
+      auto copy = at::empty_like(like);
+      copy.copy_(t);
+      return copy;
+    }
+  }
+  return t;
+}
+
 at::Tensor quick_gelu_fwd_cpu(const at::Tensor& x_) {
-  auto x = x_.contiguous();
-  auto y = at::empty_like(x);
+  const auto x = dense(x_);
+  auto y = at::empty_like(x);  // x's strides
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quick_gelu_fwd_cpu", [&] {
     using T = at::opmath_type<scalar_t>;
     vec::map_tiles<scalar_t, T, 1>({x.const_data_ptr<scalar_t>()}, y.mutable_data_ptr<scalar_t>(), x.numel(),
@@ -29,12 +52,14 @@ at::Tensor quick_gelu_fwd_cpu(const at::Tensor& x_) {
 // d/dx [x s(a x)] = s + a x s (1 - s), multiplied in the order x s (1 - s) a (that of autograd through
 // x * torch.sigmoid(a * x)): x s and s (1 - s) are 0 wherever s saturates, where a x may already have
 // overflowed (|x| > FLT_MAX / a) and a x s would be inf * 0 = NaN or inf times a subnormal.
+// dx has x's layout (the gradient of a leaf then needs no re-layout for .grad), whatever grad's is.
 at::Tensor quick_gelu_bwd_cpu(const at::Tensor& grad_, const at::Tensor& x_) {
-  auto x = x_.contiguous();
-  auto grad = grad_.contiguous();
-  TORCH_CHECK(grad.sizes() == x.sizes(), "quick_gelu_bwd: grad and x differ in shape");
-  TORCH_CHECK(grad.scalar_type() == x.scalar_type(), "quick_gelu_bwd: grad must have x's dtype ", x.scalar_type());
-  auto dx = at::empty_like(x);
+  TORCH_CHECK(grad_.sizes() == x_.sizes(), "quick_gelu_bwd: grad and x differ in shape");
+  TORCH_CHECK(grad_.scalar_type() == x_.scalar_type(), "quick_gelu_bwd: grad must have x's dtype ",
+              x_.scalar_type());
+  const auto x = dense(x_);
+  const auto grad = strided_like(grad_, x);
+  auto dx = at::empty_like(x);  // x's strides
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quick_gelu_bwd_cpu", [&] {
     using T = at::opmath_type<scalar_t>;
     vec::map_tiles<scalar_t, T, 2>(

@@ -2,7 +2,10 @@
 //
 // Memory-bound: one grid-stride kernel for both directions, 16-byte vector loads and stores when
 // every pointer is 16-byte aligned (a view such as x[1:] takes the scalar instantiation), the last
-// n % VEC elements one per thread. 64-bit indices; half/bfloat16 computed in float.
+// n % VEC elements one per thread. 64-bit indices; half/bfloat16 computed in float. Layouts as on the
+// CPU (csrc/cpu/quick_gelu.cpp): the output keeps x's strides when x is non-overlapping and dense
+// (channels-last, permuted), and the kernel runs over the inputs' and the output's memory in storage
+// order, all of them laid out alike.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -92,11 +95,29 @@ __global__ void __launch_bounds__(kThreads) map_kernel(Inputs<scalar_t> in, scal
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Runs op over the contiguous inputs (one shape, dtype and device) into a new tensor like them.
+// x itself when it is non-overlapping and dense, else a copy laid out as at::empty_like(x) (the clone
+// of torch's default preserve_format): dense strides in x's order of dims.
+at::Tensor dense(const at::Tensor& x) { return x.is_non_overlapping_and_dense() ? x : x.clone(); }
+
+// t (of like's shape) if it has the strides of like (dense), else a copy with like's strides. Strides of
+// size-1 dims are never used, so they need not agree.
+at::Tensor strided_like(const at::Tensor& t, const at::Tensor& like) {
+  for (int64_t d = 0; d < like.dim(); ++d) {
+    if (like.size(d) != 1 && t.stride(d) != like.stride(d)) {
+      auto copy = at::empty_like(like);
+      copy.copy_(t);
+      return copy;
+    }
+  }
+  return t;
+}
+
+// Runs op over the inputs (one shape, dtype, device and dense layout: their numel() elements from each
+// data pointer, in one order) into a new tensor laid out like them.
 template <typename Op>
 at::Tensor map(const at::Tensor* const* ins) {
   const at::Tensor& x = *ins[0];
-  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  auto out = at::empty_like(x);  // x's strides, x being dense
   const int64_t n = x.numel();
   if (n == 0) return out;  // a grid must not be empty
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quick_gelu_fwd_cuda", [&] {
@@ -126,7 +147,7 @@ at::Tensor map(const at::Tensor* const* ins) {
 
 at::Tensor quick_gelu_fwd_cuda(const at::Tensor& x_) {
   c10::cuda::CUDAGuard guard(x_.device());
-  const auto x = x_.contiguous();
+  const auto x = dense(x_);
   const at::Tensor* ins[] = {&x};
   return map<QuickGeluForward>(ins);
 }
@@ -136,8 +157,8 @@ at::Tensor quick_gelu_bwd_cuda(const at::Tensor& grad_, const at::Tensor& x_) {
   TORCH_CHECK(grad_.sizes() == x_.sizes(), "quick_gelu_bwd: grad and x differ in shape");
   TORCH_CHECK(grad_.scalar_type() == x_.scalar_type() && grad_.device() == x_.device(),
               "quick_gelu_bwd: grad must have x's dtype and device (", x_.scalar_type(), " on ", x_.device(), ")");
-  const auto grad = grad_.contiguous();
-  const auto x = x_.contiguous();
+  const auto x = dense(x_);  // dx has x's layout, whatever grad's is
+  const auto grad = strided_like(grad_, x);
   const at::Tensor* ins[] = {&grad, &x};
   return map<QuickGeluBackward>(ins);
 }

@@ -597,9 +597,9 @@ def test_bad_input_names_argument():
         nms(boxes, scores[:4], 0.5)
     with pytest.raises(ValueError, match="scores"):
         nms(boxes, scores[:, None], 0.5)
-    with pytest.raises(ValueError, match="iou_threshold"):
+    with pytest.raises(TypeError, match="iou_threshold: expected a float, got str"):
         nms(boxes, scores, "0.5")
-    with pytest.raises(ValueError, match="iou_threshold"):
+    with pytest.raises(TypeError, match="iou_threshold: expected a float, got NoneType"):
         nms(boxes, scores, None)
     with pytest.raises(ValueError, match="iou_threshold"):
         nms(boxes, scores, float("nan"))
@@ -612,11 +612,11 @@ def test_bad_input_names_argument():
         soft_nms(dets[:, :4])
     with pytest.raises(ValueError, match="method"):
         soft_nms(dets, method="cubic")
-    with pytest.raises(ValueError, match="iou_threshold"):
+    with pytest.raises(TypeError, match="iou_threshold: expected a float, got list"):
         soft_nms(dets, iou_threshold=[0.3])
     with pytest.raises(ValueError, match="sigma"):
         soft_nms(dets, sigma=0.0, method="gaussian")
-    with pytest.raises(ValueError, match="min_score"):
+    with pytest.raises(TypeError, match="min_score: expected a float, got str"):
         soft_nms(dets, min_score="low")
     idxs = torch.zeros(5, dtype=torch.int64)
     with pytest.raises(ValueError, match="idxs"):
@@ -629,6 +629,45 @@ def test_bad_input_names_argument():
         batched_soft_nms(boxes, scores, idxs, method="linear2")
     with pytest.raises(ValueError, match="scores"):
         batched_soft_nms(boxes, scores[:3], idxs)
+
+
+ACCEPTED_METHODS = "'naive', 'linear', 'gaussian'"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_method_of_a_wrong_type_or_name_lists_the_accepted_ones(device):
+    # Issue 11.10: method=[] said only "unhashable type: 'list'". A method that is no str is a TypeError,
+    # an unknown name a ValueError (accel's rule, accel/utils/checks.py), both naming the argument and
+    # the accepted methods, in the kernels' calls and in the references alike.
+    dets = _dets(6, 0).to(device)
+    boxes, scores, idxs = dets[:, :4], dets[:, 4], torch.zeros(6, dtype=torch.int64, device=device)
+    calls = {
+        "soft_nms": lambda m: soft_nms(dets, method=m),
+        "batched_soft_nms": lambda m: batched_soft_nms(boxes, scores, idxs, method=m),
+        "soft_nms_reference": lambda m: soft_nms_reference(dets, method=m),
+        "batched_soft_nms_reference": lambda m: batched_soft_nms_reference(boxes, scores, idxs, method=m),
+    }
+    for name, call in calls.items():
+        for bad in ([], ["linear"], {"linear": 1}, None, 1, 2.0, b"linear"):
+            message = rf"method: expected a str, one of {ACCEPTED_METHODS}; got {type(bad).__name__}"
+            with pytest.raises(TypeError, match=message):
+                call(bad)
+        for bad in ("cubic", "Linear", ""):
+            with pytest.raises(ValueError, match=rf"method: expected one of {ACCEPTED_METHODS}, got '{bad}'"):
+                call(bad)
+
+
+def test_method_given_as_a_str_enum_member():
+    # a str subclass names its method as the plain str does (taking the checked path, not the fast one)
+    import enum
+
+    class Method(str, enum.Enum):
+        GAUSSIAN = "gaussian"
+
+    dets = _dets(40, 3)
+    out, inds = soft_nms(dets, method=Method.GAUSSIAN)
+    ref_out, ref_inds = soft_nms(dets, method="gaussian")
+    assert torch.equal(inds, ref_inds) and torch.equal(out, ref_out)
 
 
 @pytest.mark.skipif(not xla_available(), reason="torch_xla is not installed")

@@ -215,6 +215,108 @@ def test_gradient_penalty_matches_plain_pytorch(device, dtype):
     torch.testing.assert_close(grads(quick_gelu), grads(quick_gelu_reference), **tolerance)
 
 
+# Layouts torch's elementwise ops keep (x * torch.sigmoid(1.702 * x) is the reference): the output of a
+# non-overlapping and dense x has x's strides; that of a strided x with gaps has dense strides in x's
+# order of dims (torch.empty_like's).
+def _layouts(device, dtype):
+    torch.manual_seed(7)
+
+    def randn(*shape):
+        return (torch.randn(*shape, device=device) * 3).to(dtype)
+
+    return {
+        "channels_last": randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "channels_last_3d": randn(2, 3, 4, 5, 6).to(memory_format=torch.channels_last_3d),
+        "permuted": randn(4, 6, 5).permute(2, 0, 1),
+        "channels_last_one_channel": randn(2, 1, 4, 4).to(memory_format=torch.channels_last),
+        # one element into its storage: not 16-byte aligned (the CUDA kernel's scalar path)
+        "channels_last_unaligned": randn(2 * 3 * 4 * 5 + 1)[1:].view(2, 4, 5, 3).permute(0, 3, 1, 2),
+        "channels_last_with_gaps": randn(2, 4, 6, 8).permute(0, 3, 1, 2)[:, 1:, ::2],
+        "transposed_slice": randn(64, 48).t()[::2],
+        "expanded": randn(3, 1).expand(3, 4),
+    }
+
+
+def _assert_same_layout(actual, expected):
+    # strides where they matter (dims of size 1 have none that is used), and the memory formats
+    assert actual.shape == expected.shape
+    assert [st for st, n in zip(actual.stride(), actual.shape) if n != 1] == \
+        [st for st, n in zip(expected.stride(), expected.shape) if n != 1], (actual.stride(), expected.stride())
+    formats = [torch.contiguous_format] + {4: [torch.channels_last], 5: [torch.channels_last_3d]}.get(actual.dim(), [])
+    for fmt in formats:
+        assert actual.is_contiguous(memory_format=fmt) == expected.is_contiguous(memory_format=fmt), fmt
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_output_and_gradient_keep_the_memory_format(device, dtype):
+    # Issue 11.10: a channels-last x gave a contiguous result where torch's x * sigmoid(1.702 x) keeps
+    # channels-last (the next conv then converts it back).
+    for name, x0 in _layouts(device, dtype).items():
+        x = x0.detach().requires_grad_()
+        xt = x0.detach().requires_grad_()  # torch's ops on the same strides
+        y, yt = quick_gelu(x), _by_hand(xt)
+        _assert_same_layout(y, yt)
+        torch.testing.assert_close(y, _by_hand(x0.double()).to(dtype), **tol(dtype), msg=name)
+        # a gradient laid out like y, as the next op's backward gives it: dx laid out as torch's
+        g = torch.empty_like(yt).copy_(torch.randn(y.shape, device=device))
+        (dx,), (dxt,) = torch.autograd.grad(y, x, g), torch.autograd.grad(yt, xt, g)
+        _assert_same_layout(dx, dxt)
+        xr = x0.detach().double().requires_grad_()
+        (dxr,) = torch.autograd.grad(_by_hand(xr), xr, g.double())
+        torch.testing.assert_close(dx, dxr.to(dtype), **tol(dtype), msg=name)
+        # a contiguous gradient (strides that differ from x's but for a contiguous x): dx keeps x's
+        # layout, and x.grad has torch's (x's, by autograd's layout contract for .grad)
+        gc = g.contiguous()
+        (dx,) = torch.autograd.grad(quick_gelu(x), x, gc)
+        _assert_same_layout(dx, y)
+        torch.testing.assert_close(dx, dxr.to(dtype), **tol(dtype), msg=name)
+        quick_gelu(x).backward(gc)
+        _by_hand(xt).backward(gc)
+        _assert_same_layout(x.grad, xt.grad)
+        torch.testing.assert_close(x.grad, dxr.to(dtype), **tol(dtype), msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_memory_format_of_the_fake_kernels(device):
+    # The fake kernels give the real kernels' strides, for torch.compile: inductor asserts them where the
+    # op's result feeds code of its own (the contiguous fake of old failed there for channels-last), and
+    # opcheck compares them (on CUDA only: its fake-tensor check skips CPU strides).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    quick_gelu(torch.zeros(1, device=device))  # loads the kernels
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    for name, x in _layouts(device, torch.float32).items():
+        grads = {"like_x": torch.empty_like(x).normal_(), "contiguous": torch.randn(x.shape, device=device)}
+        with FakeTensorMode() as mode:
+            fx = mode.from_tensor(x)
+            fake = [torch.ops.accel.quick_gelu_fwd(fx)]
+            fake += [torch.ops.accel.quick_gelu_bwd(mode.from_tensor(g), fx) for g in grads.values()]
+        real = [torch.ops.accel.quick_gelu_fwd(x)] + [torch.ops.accel.quick_gelu_bwd(g, x) for g in grads.values()]
+        assert [t.stride() for t in fake] == [t.stride() for t in real], name
+        torch.library.opcheck(torch.ops.accel.quick_gelu_fwd.default, (x.detach().requires_grad_(),),
+                              test_utils=utils)
+        for g in grads.values():
+            torch.library.opcheck(torch.ops.accel.quick_gelu_bwd.default, (g, x), test_utils=utils)
+
+    def step(t):
+        # quick_gelu's result feeds a product, and so does the backward op's in the compiled backward
+        return quick_gelu(t) * t
+
+    for name, x0 in _layouts(device, torch.float32).items():
+        if name not in ("channels_last", "channels_last_with_gaps"):
+            continue
+        torch._dynamo.reset()  # one graph per layout, none over the recompile limit
+        x, xt = x0.detach().requires_grad_(), x0.detach().requires_grad_()
+        y, yt = torch.compile(step, fullgraph=True, dynamic=False)(x), step(xt)
+        torch.testing.assert_close(y, yt, msg=name)
+        _assert_same_layout(y, _by_hand(x0) * x0)
+        c = torch.randn(x.shape, device=device)
+        (y * c).sum().backward()
+        (yt * c).sum().backward()
+        torch.testing.assert_close(x.grad, xt.grad, msg=name)
+
+
 def test_gradient_is_cpp_and_an_ordinary_backward_runs_no_python():
     # The forward op's gradient is C++ (csrc/autograd/quick_gelu_autograd.cpp): neither the forward nor
     # an ordinary backward runs a torch.library.register_autograd gradient's Python (torch/_library/)

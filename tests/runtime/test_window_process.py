@@ -198,7 +198,7 @@ def test_bad_input_names_argument():
         WindowProcess.apply(x, 2, 21, 14, 5, 0, 7)  # B*H*W*C agrees, the shape does not
     with pytest.raises(TypeError, match="x"):
         WindowProcess.apply(torch.arange(8).view(1, 2, 2, 2), 1, 2, 2, 2, 0, 1)
-    with pytest.raises(ValueError, match="shift_size"):
+    with pytest.raises(TypeError, match="shift_size: expected an int, got float"):
         WindowProcess.apply(x, 2, 14, 21, 5, 1.5, 7)
     w = torch.randn(12, 7, 7, 5)
     with pytest.raises(ValueError, match="windows"):
@@ -207,6 +207,74 @@ def test_bad_input_names_argument():
         WindowProcessReverse.apply(w, 3, 14, 21, 5, 0, 7)  # 12 windows cannot hold B=3
     with pytest.raises(ValueError, match="window_size"):
         WindowProcessReverse.apply(w, 2, 14, 21, 5, 0, 5)
+
+
+INT64_MAX = 2 ** 63 - 1
+SHIFT_RANGE = r"shift_size: expected an int in \[-9223372036854775807, 9223372036854775807\], got "
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_shift_beyond_int64_names_the_argument_and_its_range(device):
+    # Issue 11.10: shift=2**63 passed the per-call fast path, and the op's schema said "Expected a value of
+    # type 'int' for argument 'shift' but instead found type 'int'". -2**63 fits an int64, but the
+    # backward's shift, its negation, does not: it wrapped to -2**63 and gave a wrong gradient.
+    x = torch.randn(2, 6, 3, 4, device=device)
+    w = WindowProcess.apply(x, 2, 6, 3, 4, 1, 3)
+    for shift in (2 ** 63, -2 ** 63, 2 ** 64, -2 ** 100):
+        with pytest.raises(ValueError, match=SHIFT_RANGE + str(shift)):
+            WindowProcess.apply(x, 2, 6, 3, 4, shift, 3)
+        with pytest.raises(ValueError, match=SHIFT_RANGE + str(shift)):
+            WindowProcessReverse.apply(w, 2, 6, 3, 4, shift, 3)
+    # the extreme shifts that remain roll as torch.roll would, forward and backward (torch.roll itself
+    # refuses shifts this large: c10::SymInt takes them for symbolic; the reference rolls by the shift
+    # reduced modulo H and W)
+    for shift in (INT64_MAX, -INT64_MAX):
+        rolls = (shift % 6, shift % 3)
+
+        def partition_ref(t):
+            return window_partition(torch.roll(t, rolls, (1, 2)), 3)
+
+        def reverse_ref(t):
+            return torch.roll(window_reverse(t, 3, 6, 3), rolls, (1, 2))
+
+        for op, inp, ref in ((WindowProcess, x, partition_ref), (WindowProcessReverse, w, reverse_ref)):
+            t = inp.clone().requires_grad_()
+            tr = inp.clone().requires_grad_()
+            out, out_ref = op.apply(t, 2, 6, 3, 4, shift, 3), ref(tr)
+            torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+            g = torch.randn_like(out)
+            out.backward(g)
+            out_ref.backward(g)
+            torch.testing.assert_close(t.grad, tr.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sizes_beyond_int64_name_the_argument_and_its_range(device):
+    # An empty batch (B = 0, or C = 0) leaves H and W unbounded by any tensor's shape: values beyond the
+    # ops' int64 reached the schema's "found type 'int'" error, and an H * W past 2**63 a window count that
+    # wrapped to 0, which the CPU kernel divided by (SIGFPE: the process died).
+    w = torch.empty(0, 2, 2, 3, device=device)
+    x = torch.empty(0, 4, 4, 3, device=device)
+    big = 2 ** 64
+    cases = [
+        (WindowProcessReverse, w, (0, big, 2, 3, 0, 2), r"H: expected an int in \[1, 9223372036854775807\], got " + str(big)),
+        (WindowProcessReverse, w, (0, 2, big, 3, 0, 2), r"W: expected an int in \[1, 9223372036854775807\], got " + str(big)),
+        (WindowProcessReverse, w, (0, 2, 2, 3, 0, 2 ** 63), r"window_size: expected an int in \[1, 9223372036854775807\]"),
+        (WindowProcessReverse, w, (big, 2, 2, 3, 0, 2), r"B: expected an int in \[0, 9223372036854775807\]"),
+        (WindowProcessReverse, w, (0, 2, 2, big, 0, 2), r"C: expected an int in \[0, 9223372036854775807\]"),
+        (WindowProcessReverse, w, (0, -2, 2, 3, 0, 2), r"H: expected an int in \[1, 9223372036854775807\], got -2"),
+        (WindowProcessReverse, w, (0, 2 ** 62, 2 ** 62, 3, 0, 2),
+         r"H, W, C: expected H \* W \* max\(C, 1\) <= 2\*\*63 - 1, got H=4611686018427387904, W=4611686018427387904"),
+        (WindowProcessReverse, w[..., :0], (0, 2 ** 62, 4, 0, 0, 2), r"H, W, C: expected"),
+        (WindowProcess, x, (0, 4, 4, 3, 0, -1), r"window_size: expected an int in \[1, 9223372036854775807\], got -1"),
+        (WindowProcess, x, (0, 4, 4, -3, 0, 2), r"C: expected an int in \[0, 9223372036854775807\], got -3"),
+    ]
+    for op, t, args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            op.apply(t, *args)
+    # the largest empty geometry torch can lay out still runs: [0, H, W, C] with H * W * C = 2**62
+    out = WindowProcessReverse.apply(torch.empty(0, 2, 2, 2, device=device), 0, 2 ** 60, 2, 2, 0, 2)
+    assert out.shape == (0, 2 ** 60, 2, 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)

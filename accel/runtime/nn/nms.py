@@ -43,14 +43,13 @@ boxes, not meant for millions.
 """
 from __future__ import annotations
 
-import math
-import numbers
 import warnings
 
 import torch
 
 from accel.runtime import _build
 from accel.runtime.nn._common import FLOAT_DTYPES, check_same_device, check_tensor, use_kernel
+from accel.utils.checks import check_float
 
 METHODS = {"naive": 0, "linear": 1, "gaussian": 2}
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -60,12 +59,7 @@ INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def _check_number(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name}: expected a real number, got {type(value).__name__}")
-    value = float(value)
-    if math.isnan(value):
-        raise ValueError(f"{name}: expected a real number, got nan")
-    return value
+    return check_float(name, value, allow_inf=True)
 
 
 def _check_boxes_scores(boxes, scores) -> None:
@@ -86,8 +80,14 @@ def _check_dets(dets) -> None:
 
 
 def _check_method(method) -> int:
+    """The kernels' code for a method named by a str (a str subclass such as a StrEnum member too):
+    TypeError for anything else, whose lookup in METHODS could itself fail (an unhashable list said
+    only "unhashable type: 'list'"), ValueError for an unknown name."""
+    accepted = ", ".join(map(repr, METHODS))
+    if not isinstance(method, str):
+        raise TypeError(f"method: expected a str, one of {accepted}; got {type(method).__name__} {method!r}")
     if method not in METHODS:
-        raise ValueError(f"method: expected one of {sorted(METHODS)}, got {method!r}")
+        raise ValueError(f"method: expected one of {accepted}, got {method!r}")
     return METHODS[method]
 
 

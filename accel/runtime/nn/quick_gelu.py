@@ -1,7 +1,9 @@
 """QuickGELU: x * sigmoid(1.702 x), the GELU approximation of CLIP and GPT-style models.
 
 `quick_gelu(x)` and the `QuickGelu` module run the kernels in csrc/{cpu,cuda}/quick_gelu.* for CPU
-and CUDA tensors (fp16/bf16 computed in fp32), and `quick_gelu_reference` elsewhere.
+and CUDA tensors (fp16/bf16 computed in fp32), and `quick_gelu_reference` elsewhere. The result keeps
+x's memory format (channels-last, any permutation of dims) as torch's elementwise ops do, and so does
+the gradient with respect to x.
 """
 from __future__ import annotations
 
@@ -40,9 +42,10 @@ def _register():
     The forward op's gradient is C++ (csrc/autograd/quick_gelu_autograd.cpp, as light per call as
     torch's own ops) and calls the backward op; that one has a gradient of its own, so create_graph=True
     (double backward, gradient penalties) differentiates through it instead of treating it as a constant."""
-    torch.library.register_fake("accel::quick_gelu_fwd")(lambda x: torch.empty_like(x.contiguous()))
-    torch.library.register_fake("accel::quick_gelu_bwd")(
-        lambda grad, x: torch.empty_like(x.contiguous()))
+    # The kernels' layout (csrc/cpu/quick_gelu.cpp): empty_like(x)'s, which is x's strides for a
+    # non-overlapping and dense x (channels-last, permuted), as torch's elementwise ops keep them.
+    torch.library.register_fake("accel::quick_gelu_fwd")(lambda x: torch.empty_like(x))
+    torch.library.register_fake("accel::quick_gelu_bwd")(lambda grad, x: torch.empty_like(x))
 
     # quick_gelu_bwd(g, x) = g f'(x): linear in g, whose gradient is therefore the same op again,
     # and g f''(x) in x.

@@ -6,19 +6,19 @@
         == torch.roll(window_reverse(attn_windows, window_size, H, W), (shift_size, shift_size), (1, 2))
 
 x is [B, H, W, C]; windows are [B*nW, window_size, window_size, C] with nW = (H/ws)*(W/ws), ordered
-like Swin's window_partition. The shift is torch.roll's: any integer, positive or negative. Each op is
-one gather pass (csrc/{cpu,cuda}/window_process.*) instead of a roll followed by a permute copy; its
-backward is the other op with the opposite shift. CPU and CUDA tensors run the kernels (any float
+like Swin's window_partition. The shift is torch.roll's, positive or negative, any int64 but -2**63 (whose
+negation, the backward's shift, is no int64); sizes are int64 too, others raise a ValueError naming them.
+Each op is one gather pass (csrc/{cpu,cuda}/window_process.*) instead of a roll followed by a permute
+copy; its backward is the other op with the opposite shift. CPU and CUDA tensors run the kernels (any float
 dtype: they copy bytes), other devices (XLA) run the plain-PyTorch reference below.
 """
 from __future__ import annotations
-
-import operator
 
 import torch
 
 from accel.runtime import _build
 from accel.runtime.nn._common import FLOAT_DTYPES, check_tensor, use_kernel
+from accel.utils.checks import check_int
 
 
 def window_partition(x: torch.Tensor, window_size: int) -> torch.Tensor:
@@ -65,16 +65,14 @@ def _ops():
     return _build.ops("window_process", _register)
 
 
-def _as_int(name: str, value, minimum: int | None = None) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{name}: expected an int, got bool")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name}: expected an int, got {type(value).__name__}") from None
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
+# The ops take int64 sizes and shift. The shift's range is symmetric, [-(2**63 - 1), 2**63 - 1]: each op's
+# backward is the other op with the shift negated, and -(-2**63) does not fit in an int64 (it wrapped
+# to -2**63 itself, a different shift modulo most H, and gave a wrong gradient).
+_INT64_MAX = 2 ** 63 - 1
+
+
+def _as_int(name: str, value, minimum: int) -> int:
+    return check_int(name, value, min=minimum, max=_INT64_MAX)
 
 
 def _check_geometry(B, H, W, C, shift_size, window_size):
@@ -82,10 +80,12 @@ def _check_geometry(B, H, W, C, shift_size, window_size):
     H = _as_int("H", H, 1)
     W = _as_int("W", W, 1)
     C = _as_int("C", C, 0)
-    shift = _as_int("shift_size", shift_size)
+    shift = _as_int("shift_size", shift_size, -_INT64_MAX)
     ws = _as_int("window_size", window_size, 1)
     if H % ws or W % ws:
         raise ValueError(f"window_size: expected a divisor of H={H} and W={W}, got {ws}")
+    if H * W * max(C, 1) > _INT64_MAX:  # the kernels' window count and torch's strides for [B, H, W, C]
+        raise ValueError(f"H, W, C: expected H * W * max(C, 1) <= 2**63 - 1, got H={H}, W={W}, C={C}")
     return B, H, W, C, shift, ws
 
 
@@ -103,12 +103,17 @@ def _reverse(windows, H, W, shift, ws):
 
 def _common_call(t, B, H, W, C, shift_size, window_size) -> bool:
     """True for the call a Swin block makes every step, but for t's shape (each op checks its own): a
-    float tensor t on the CPU or a GPU, the sizes and the shift plain ints, window_size a positive
-    divisor of H and W. It accepts only valid calls and costs a few attribute reads; anything else goes
-    through the checks that name what is wrong, and the general path."""
+    float tensor t on the CPU or a GPU, the sizes positive ints, window_size a divisor of H and W, the
+    shift an int in _as_int's range (written as literals, cheaper than globals). With B and C positive,
+    t's shape (which the caller compares) bounds B*H*W*C by t.numel() < 2**63, so every size and product
+    the kernels compute fits their int64; an empty batch or C = 0 takes the checked path. It accepts only
+    valid calls and costs a few attribute reads; anything else goes through the checks that name what is
+    wrong, and the general path."""
     return type(B) is int and type(H) is int and type(W) is int and type(C) is int \
         and type(shift_size) is int and type(window_size) is int \
-        and window_size > 0 and H > 0 and W > 0 and not H % window_size and not W % window_size \
+        and B > 0 and C > 0 and H > 0 and W > 0 and window_size > 0 \
+        and not H % window_size and not W % window_size \
+        and -9223372036854775807 <= shift_size <= 9223372036854775807 \
         and type(t) is torch.Tensor and (t.is_cpu or t.is_cuda) and t.dtype in FLOAT_DTYPES
 
 
