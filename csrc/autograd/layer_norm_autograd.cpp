@@ -62,7 +62,9 @@ at::Tensor stats_backward(const at::Tensor& x, const at::Tensor& mean, const at:
   if (grad_rstd.defined()) {
     const at::Tensor r = rstd.reshape_symint(rows);
     const at::Tensor xc = x.reshape_symint(full).to(mean.scalar_type()) - mean.reshape_symint(rows);
-    const at::Tensor term = grad_rstd.reshape_symint(rows) * (-(r * r * r) / D) * xc;
+    // grouped so that no factor under- or overflows on rows of huge magnitude (rstd^3 underflows in
+    // float once the row's std passes ~1e13; xc * rstd is O(1))
+    const at::Tensor term = -(grad_rstd.reshape_symint(rows) * r) * ((xc * r) * r) / D;
     out = out.defined() ? out + term : term;
   }
   return out.reshape_symint(x.sym_sizes());

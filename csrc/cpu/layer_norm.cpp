@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -46,25 +47,69 @@ inline acc_t row_sum_shifted(const T* x, int64_t N, acc_t shift) {
   return sum_lanes(lanes);
 }
 
-// Two passes (mean, then squared deviations from it): exact for rows with a large offset,
-// where the one-pass E[x^2] - E[x]^2 cancels catastrophically.
+// Sum of ((x - shift) * scale)^2.
 template <typename T, typename acc_t>
-inline void row_stats(const T* x, int64_t N, acc_t eps, acc_t& mean, acc_t& rstd) {
-  const acc_t shift = static_cast<acc_t>(x[0]);
-  mean = shift + row_sum_shifted<T, acc_t>(x, N, shift) / static_cast<acc_t>(N);
+inline acc_t row_sum_sq(const T* x, int64_t N, acc_t shift, acc_t scale) {
   acc_t lanes[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= N; i += kLanes)
     for (int l = 0; l < kLanes; ++l) {
-      const acc_t d = static_cast<acc_t>(x[i + l]) - mean;
+      const acc_t d = (static_cast<acc_t>(x[i + l]) - shift) * scale;
       lanes[l] += d * d;
     }
   for (int l = 0; i < N; ++i, ++l) {
-    const acc_t d = static_cast<acc_t>(x[i]) - mean;
+    const acc_t d = (static_cast<acc_t>(x[i]) - shift) * scale;
     lanes[l] += d * d;
   }
-  const acc_t var = sum_lanes(lanes) / static_cast<acc_t>(N);
-  rstd = acc_t(1) / std::sqrt(var + eps);
+  return sum_lanes(lanes);
+}
+
+// 2^-e for m = f * 2^e, f in [0.5, 1), with e capped where 2^-e would be subnormal (126 in
+// float): m * pow2_inv(m) is in [0.5, 4) for finite m > 0, and multiplying by it is exact.
+template <typename acc_t>
+inline acc_t pow2_inv(acc_t m) {
+  int e = 0;
+  std::frexp(m, &e);
+  return std::ldexp(acc_t(1), -std::min(e, std::numeric_limits<acc_t>::max_exponent - 2));
+}
+
+// The statistics of a row whose sums overflow acc_t (in float: the sum of squared deviations
+// once |x - mean| reaches ~1.8e19 / sqrt(N), the sum of deviations once they reach ~3.4e38 / N),
+// exact for every row with |x| <= 2^126 (2^1022 in double).
+// The sums are taken over (x - x0) * s with s = pow2_inv(D), D = max|x - x0| (x0 = x[0]): every
+// term of the mean is below 4 and every square below 64 (|x - mean| <= 2D), while the largest
+// |x - mean| * s is at least D * s / 2 >= 1/4, so var * s^2 >= 1/(16 N) stays far from underflow.
+// Powers of two scale exactly: this is the two-pass computation below on exactly scaled values,
+// and rstd = s / sqrt(var s^2 + eps s^2) = 1 / sqrt(var + eps), whose floor 1 / max|x| >= 2^-126
+// is a normal float. A row holding an inf or NaN gets non-finite statistics (its outputs are NaN,
+// like F.layer_norm's).
+template <typename T, typename acc_t>
+inline void row_stats_scaled(const T* x, int64_t N, acc_t eps, acc_t& mean, acc_t& rstd) {
+  const acc_t x0 = static_cast<acc_t>(x[0]);
+  acc_t dmax = 0;
+  for (int64_t i = 0; i < N; ++i) dmax = std::max(dmax, std::abs(static_cast<acc_t>(x[i]) - x0));
+  if (!std::isfinite(dmax)) return;  // an inf; a NaN (skipped by max) turns the sums below NaN
+  const acc_t s = pow2_inv(dmax);
+  acc_t lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= N; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] += (static_cast<acc_t>(x[i + l]) - x0) * s;
+  for (int l = 0; i < N; ++i, ++l) lanes[l] += (static_cast<acc_t>(x[i]) - x0) * s;
+  mean = x0 + sum_lanes(lanes) / static_cast<acc_t>(N) / s;
+  const acc_t var_s = row_sum_sq<T, acc_t>(x, N, mean, s) / static_cast<acc_t>(N);
+  rstd = s / std::sqrt(var_s + eps * s * s);
+}
+
+// Two passes (mean, then squared deviations from it): exact for rows with a large offset,
+// where the one-pass E[x^2] - E[x]^2 cancels catastrophically. A row whose sum of squares is
+// not finite (an overflow: |x| around 1e19 and beyond in float) is redone on scaled values.
+template <typename T, typename acc_t>
+inline void row_stats(const T* x, int64_t N, acc_t eps, acc_t& mean, acc_t& rstd) {
+  const acc_t shift = static_cast<acc_t>(x[0]);
+  mean = shift + row_sum_shifted<T, acc_t>(x, N, shift) / static_cast<acc_t>(N);
+  const acc_t ss = row_sum_sq<T, acc_t>(x, N, mean, acc_t(1));
+  rstd = acc_t(1) / std::sqrt(ss / static_cast<acc_t>(N) + eps);
+  if (!std::isfinite(ss)) row_stats_scaled<T, acc_t>(x, N, eps, mean, rstd);
 }
 
 // One loop per affine variant so that none of them branches per element.
@@ -158,7 +203,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cpu(
             lb[l] += wg * (static_cast<acc_t>(xr[j]) - mu);
           }
           const acc_t a = sum_lanes(la) * inv_n;
-          const acc_t bsum = sum_lanes(lb) * rs * inv_n;
+          acc_t bsum = sum_lanes(lb) * rs * inv_n;
+          if (!std::isfinite(bsum)) {
+            // sum w*dy*(x - mean) overflowed (rows of |x| >~ 1e33 in float): sum w*dy*xhat instead
+            acc_t lx[kLanes] = {};
+            for (j = 0; j < N; ++j) {
+              const acc_t wg = static_cast<acc_t>(gr[j]) * (wp ? static_cast<acc_t>(wp[j]) : acc_t(1));
+              lx[j % kLanes] += wg * ((static_cast<acc_t>(xr[j]) - mu) * rs);
+            }
+            bsum = sum_lanes(lx) * inv_n;
+          }
           for (j = 0; j < N; ++j) {
             const acc_t g = static_cast<acc_t>(gr[j]);
             const acc_t xhat = (static_cast<acc_t>(xr[j]) - mu) * rs;
@@ -168,7 +222,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cpu(
           if (need_params) {
             for (j = 0; j < N; ++j) {
               const acc_t g = static_cast<acc_t>(gr[j]);
-              pw[j] += g * (static_cast<acc_t>(xr[j]) - mu) * rs;
+              pw[j] += g * ((static_cast<acc_t>(xr[j]) - mu) * rs);  // dy * xhat: finite for huge x
               pb[j] += g;
             }
           }

@@ -4,8 +4,9 @@
 // power of two from 32 (one warp per row, several rows per block: small and medium N) up to 1024
 // (one block per row: large N), so no thread handles more than a few dozen elements. A team
 // reduces with warp shuffles and, when wider than a warp, through shared memory. Statistics are
-// in float (double for float64 x): shifted sums per thread, merged across threads as Welford states. Loads and stores are 16-byte vectors when N and every
-// pointer allow it. dweight/dbias: a column reduction over rows in two deterministic stages
+// in float (double for float64 x): shifted sums per thread, merged across threads as Welford states
+// (a row whose sums overflow, |x| around 1e19 and beyond in float, is redone on exactly scaled
+// values). Loads and stores are 16-byte vectors when N and every pointer allow it. dweight/dbias: a column reduction over rows in two deterministic stages
 // (per row-chunk partials in fp32, then a fixed-order sum), with no atomics.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -41,6 +42,10 @@ __device__ __forceinline__ double rsqrt_(double v) { return 1.0 / sqrt(v); }
 // mean from the unrounded product and leaves the product's rounding error, times rstd (316 at eps 1e-5).
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
+// The scale of a row whose statistics overflow (see layer_norm_fwd_kernel).
+__device__ __forceinline__ float overflow_scale(float) { return 0x1p-82f; }
+__device__ __forceinline__ double overflow_scale(double) { return 0x1p-640; }
 
 template <typename acc_t>
 struct Welford {
@@ -112,6 +117,46 @@ __device__ __forceinline__ V team_allreduce(V v, V* smem, int tpr) {
   return r;
 }
 
+// The values the forward's statistics are taken over: x itself, or (x - x0) * s for a row whose sums
+// overflow (see layer_norm_fwd_kernel).
+template <typename acc_t>
+struct Plain {
+  template <typename T>
+  __device__ __forceinline__ acc_t operator()(T v) const { return static_cast<acc_t>(v); }
+};
+
+template <typename acc_t>
+struct ShiftScale {
+  acc_t x0, s;
+  template <typename T>
+  __device__ __forceinline__ acc_t operator()(T v) const { return (static_cast<acc_t>(v) - x0) * s; }
+};
+
+// One thread's (count, mean, M2) of f(x) over the vectors lane, lane + tpr, ... of a row (lane < nvec),
+// its mean as an offset from `base`: sums of (f(x) - shift) and its square, shifted by one of the thread's
+// own values so that the one-pass variance does not cancel for rows far from zero; one division per
+// thread (a per-element Welford update costs a division per element, too slow for bf16 rows).
+template <typename acc_t, typename T, int VEC, typename F>
+__device__ __forceinline__ Welford<acc_t> thread_welford(const Pack<T, VEC>* xr, int lane, int64_t nvec, int tpr,
+                                                         acc_t base, F f) {
+  const acc_t shift = f(xr[lane].v[0]);
+  acc_t s1 = 0, s2 = 0;
+  int64_t cnt = 0;
+  for (int64_t v = lane; v < nvec; v += tpr) {
+    const Pack<T, VEC> p = xr[v];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const acc_t d = f(p.v[k]) - shift;
+      s1 += d;
+      s2 += d * d;
+    }
+    cnt += VEC;
+  }
+  const acc_t n = static_cast<acc_t>(cnt);
+  const acc_t dm = s1 / n;
+  return {(shift - base) + dm, max(s2 - s1 * dm, acc_t(0)), n};
+}
+
 // grid-stride over groups of rows so that every thread of a block runs the same number of
 // iterations (team_allreduce syncs the block when a team spans several warps).
 // launch bounds: teams of up to 1024 threads must fit the register file (<= 64 per thread)
@@ -129,36 +174,42 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_fwd_kernel(const T* __res
     const int64_t row = base + threadIdx.x / tpr;
     const bool valid = row < M;
     const Pack<T, VEC>* xr = reinterpret_cast<const Pack<T, VEC>*>(x + (valid ? row : 0) * N);
-    // Per thread: sums of (x - shift) and its square, shifted by one of the thread's own values so
-    // that the one-pass variance does not cancel for rows far from zero; one division per thread
-    // (a per-element Welford update costs a division per element, too slow for bf16 rows).
-    // Threads then merge (count, mean, M2) exactly (Chan et al.). Means travel as offsets from one
-    // shift shared by the row (its first element): carried as absolute values, a row with mean 1000
-    // would be rounded at ulp(1000) in every merge and drift by ~1e-4 over a 1024-thread team.
+    // Per thread: Welford states of the thread's elements (thread_welford). Threads then merge
+    // (count, mean, M2) exactly (Chan et al.). Means travel as offsets from one shift shared by the
+    // row (its first element): carried as absolute values, a row with mean 1000 would be rounded at
+    // ulp(1000) in every merge and drift by ~1e-4 over a 1024-thread team.
     const acc_t row_shift = valid ? static_cast<acc_t>(x[row * N]) : acc_t(0);
     Welford<acc_t> st{acc_t(0), acc_t(0), acc_t(0)};
-    if (valid && lane < nvec) {
-      const acc_t shift = static_cast<acc_t>(xr[lane].v[0]);
-      acc_t s1 = 0, s2 = 0;
-      int64_t cnt = 0;
-      for (int64_t v = lane; v < nvec; v += tpr) {
-        const Pack<T, VEC> p = xr[v];
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const acc_t d = static_cast<acc_t>(p.v[k]) - shift;
-          s1 += d;
-          s2 += d * d;
-        }
-        cnt += VEC;
-      }
-      const acc_t n = static_cast<acc_t>(cnt);
-      const acc_t dm = s1 / n;
-      st = {(shift - row_shift) + dm, max(s2 - s1 * dm, acc_t(0)), n};
-    }
+    if (valid && lane < nvec) st = thread_welford<acc_t>(xr, lane, nvec, tpr, row_shift, Plain<acc_t>{});
     st = team_allreduce(st, smem, tpr);
+    acc_t mu = row_shift + st.mean;
+    acc_t rs = rsqrt_(st.m2 / static_cast<acc_t>(N) + eps);
+    // A row whose sums overflow acc_t (in float: M2 once |x - mean| reaches ~1.8e19 / sqrt(N)) is redone
+    // on u = (x - x0) * s, x0 = x[0], s = 2^-82 (2^-640 in double), the scaling being exact: then
+    // mean = x0 + mean_u / s and rstd = s / sqrt(var_u + eps s^2). In float, for rows of N < 2^31
+    // elements with |x| <= 2^126 (D = max|x - mean| <= 2^127): every quantity the sums and merges form
+    // is below 16 N D^2, so an overflow means D >= 2^62 / sqrt(N) >= 2^46.5; scaled, 16 N (D s)^2 <=
+    // 2^125 cannot overflow, and var_u >= (D s)^2 / N >= 2^-102 is far from underflow (elements within
+    // 2^-44 of x0 lose digits to subnormals, negligibly next to D). Likewise in double for |x| <= 2^1022.
+    // A row holding an inf or NaN keeps non-finite statistics, so non-finite outputs. The redo's reductions are collective: a one-warp
+    // team takes it alone (its flag is the same in every lane); wider teams sync the block, so there the
+    // whole block goes through it when any of its rows needs it, and only the rows that overflowed take
+    // its result. Rows that do not overflow are unchanged.
+    const bool overflow = valid && !(isfinite(st.m2) && isfinite(mu));
+    bool redo = overflow;
+    if (tpr > kWarp && rpb > 1) redo = __syncthreads_or(redo) != 0;
+    if (redo) {
+      const acc_t sc = overflow_scale(acc_t(0));
+      Welford<acc_t> su{acc_t(0), acc_t(0), acc_t(0)};
+      if (valid && lane < nvec)
+        su = thread_welford<acc_t>(xr, lane, nvec, tpr, acc_t(0), ShiftScale<acc_t>{row_shift, sc});
+      su = team_allreduce(su, smem, tpr);
+      if (overflow) {
+        mu = row_shift + su.mean / sc;
+        rs = sc * rsqrt_(su.m2 / static_cast<acc_t>(N) + eps * sc * sc);
+      }
+    }
     if (!valid) continue;
-    const acc_t mu = row_shift + st.mean;
-    const acc_t rs = rsqrt_(st.m2 / static_cast<acc_t>(N) + eps);
     if (lane == 0) {
       mean_out[row] = mu;
       rstd_out[row] = rs;
@@ -216,14 +267,15 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_bwd_dx_kernel(const T* __
           acc_t wg = static_cast<acc_t>(pg.v[k]);
           if (w != nullptr) wg = mul_rn(wg, static_cast<acc_t>(pw.v[k]));
           s.a += wg;
-          s.b += wg * (static_cast<acc_t>(px.v[k]) - mu);
+          // w*dy*xhat (w*dy*(x - mean) would overflow for rows of huge |x|)
+          s.b += wg * ((static_cast<acc_t>(px.v[k]) - mu) * rs);
         }
       }
     }
     s = team_allreduce(s, smem, tpr);
     if (!valid) continue;
     const acc_t a = s.a * inv_n;
-    const acc_t bsum = s.b * rs * inv_n;
+    const acc_t bsum = s.b * inv_n;
     Pack<T, VEC>* dxr = reinterpret_cast<Pack<T, VEC>*>(dx + row * N);
     for (int64_t v = lane; v < nvec; v += tpr) {
       const Pack<T, VEC> px = xr[v];
@@ -264,7 +316,7 @@ __global__ void layer_norm_bwd_params_partial_kernel(const T* __restrict__ dy, c
   if (col < N) {
     for (int64_t r = r0 + threadIdx.y; r < r1; r += kRowThreads) {
       const acc_t g = static_cast<acc_t>(dy[r * N + col]);
-      aw += g * (static_cast<acc_t>(x[r * N + col]) - mean[r]) * rstd[r];
+      aw += g * ((static_cast<acc_t>(x[r * N + col]) - mean[r]) * rstd[r]);  // dy * xhat: finite for huge x
       ab += g;
     }
   }

@@ -117,6 +117,60 @@ def test_large_rows_and_large_offset(device):
     torch.testing.assert_close(db, dbr.float(), rtol=1e-5, atol=1e-5)
 
 
+def _row_std(x):
+    return x.double().std(-1, unbiased=False, keepdim=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("scale", [1e20, 1e30, 2.0**124], ids=["1e20", "1e30", "2^124"])
+@pytest.mark.parametrize("n", [768, 2000, 5000])
+def test_huge_magnitude_rows(device, dtype, scale, n):
+    """Rows whose squared deviations overflow float (from |x| ~ 1e19 / sqrt(N) on; bf16 shares float's
+    range) up to the supported |x| <= 2^126: the statistics are redone on exactly scaled values instead of
+    giving rstd = 0 and y = 0. Beside them a row of ordinary size (on CUDA at n = 2000, a two-warp team
+    sharing its block with a huge row) and a row mixing huge and tiny values."""
+    torch.manual_seed(14)
+    x = torch.randn(3, n, device=device).clamp(-4, 4) * scale  # |x| <= 4 * 2^124 = 2^126
+    x[1] = torch.randn(n, device=device) * 2 + 0.5
+    x[2, ::3] *= 1e-30
+    x = x.to(dtype)
+    w = (torch.randn(n, device=device) + 1).to(dtype)
+    b = torch.randn(n, device=device).to(dtype)
+    g = torch.randn(3, n, device=device).to(dtype)
+    y, (dx, dw, db) = _run(lambda x, w, b: fused_layer_norm(x, n, w, b), x, w, b, g)
+    yr, (dxr, dwr, dbr) = _run(lambda x, w, b: F.layer_norm(x, (n,), w, b),
+                               x.double(), w.double(), b.double(), g.double())
+    # fp32: a few ulps of the largest |y| (~20), as y = xhat * w + b cancels where it is near 0
+    y_tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else tol(dtype)
+    torch.testing.assert_close(y, yr.to(dtype), **y_tol)
+    # dx ~ rstd ~ 1 / scale: compared in units of each row's 1 / std
+    sd = _row_std(x)
+    torch.testing.assert_close((dx.double() * sd).to(dtype), (dxr * sd).to(dtype), **_grads_tol(dtype))
+    torch.testing.assert_close(dw, dwr.to(dtype), **_grads_tol(dtype))
+    torch.testing.assert_close(db, dbr.to(dtype), **_grads_tol(dtype))
+    # the saved statistics themselves (float32): mean and rstd = 1 / sqrt(var + eps)
+    from accel.runtime.nn.layer_norm import _ops
+
+    _, mean, rstd = _ops().layer_norm_fwd(x, w, b, 1, 1e-5)
+    xd = x.double()
+    mean_err = (mean.double() - xd.mean(-1)) / sd.squeeze(-1)  # in units of the row's std
+    torch.testing.assert_close(mean_err, torch.zeros_like(mean_err), rtol=0, atol=1e-5)
+    torch.testing.assert_close(rstd.double(), (xd.var(-1, unbiased=False) + 1e-5).rsqrt(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_huge_rows_beside_rows_holding_inf_or_nan(device):
+    """The rescaled statistics do not turn an inf or NaN into finite values: such a row stays non-finite
+    (F.layer_norm gives NaN), while huge rows beside it are normalized."""
+    x = torch.randn(4, 40, device=device) * 1e20
+    x[0, 7] = float("inf")
+    x[2, 3] = float("nan")
+    y = fused_layer_norm(x, 40)
+    assert not torch.isfinite(y[0]).any() and not torch.isfinite(y[2]).any()
+    torch.testing.assert_close(y[1::2], F.layer_norm(x[1::2].double(), (40,)).float(), **tol(torch.float32))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_non_contiguous_input_and_weight(device):
     torch.manual_seed(3)

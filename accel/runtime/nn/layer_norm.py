@@ -5,6 +5,10 @@ drop-in subclass of nn.LayerNorm: same constructor, parameters and state_dict ke
 in csrc/{cpu,cuda}/layer_norm.* for CPU and CUDA tensors and `layer_norm_reference` elsewhere (XLA,
 whose compiler fuses it). Inputs may be fp32/fp16/bf16 (and fp64 for gradcheck); weight and bias may
 have x's dtype or, for fp16/bf16 x, fp32 (master weights kept in fp32). The output has x's dtype.
+The forward and its gradients (dx, dweight, dbias) are accurate for rows of any magnitude up to
+|x| <= 2^126 (~8.5e37; 2^1022 for fp64), on CPU and CUDA alike: a row whose sum of squares overflows
+the fp32 statistics (|x| from ~1e19, reachable in fp32 and bf16, not in fp16) has them recomputed on
+exactly rescaled values. A row holding an inf or NaN gives non-finite outputs.
 """
 from __future__ import annotations
 
