@@ -13,6 +13,8 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "quick_gelu_host.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -95,22 +97,7 @@ __global__ void __launch_bounds__(kThreads) map_kernel(Inputs<scalar_t> in, scal
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// x itself when it is non-overlapping and dense, else a copy laid out as at::empty_like(x) (the clone
-// of torch's default preserve_format): dense strides in x's order of dims.
-at::Tensor dense(const at::Tensor& x) { return x.is_non_overlapping_and_dense() ? x : x.clone(); }
-
-// t (of like's shape) if it has the strides of like (dense), else a copy with like's strides. Strides of
-// size-1 dims are never used, so they need not agree.
-at::Tensor strided_like(const at::Tensor& t, const at::Tensor& like) {
-  for (int64_t d = 0; d < like.dim(); ++d) {
-    if (like.size(d) != 1 && t.stride(d) != like.stride(d)) {
-      auto copy = at::empty_like(like);
-      copy.copy_(t);
-      return copy;
-    }
-  }
-  return t;
-}
+using namespace quick_gelu_host;  // dense(), strided_like(): the layouts of the results
 
 // Runs op over the inputs (one shape, dtype, device and dense layout: their numel() elements from each
 // data pointer, in one order) into a new tensor laid out like them.
