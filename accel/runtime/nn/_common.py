@@ -34,5 +34,5 @@ def check_same_device(**tensors) -> None:
 
 def use_kernel(t: torch.Tensor) -> bool:
     """Our C++/CUDA kernels serve CPU and CUDA tensors; any other device (XLA) takes the reference,
-    which its compiler fuses."""
-    return t.device.type in ("cpu", "cuda")
+    which its compiler fuses. (Two flag reads: every op's per-call fast path asks this.)"""
+    return t.is_cpu or t.is_cuda

@@ -59,7 +59,7 @@ def _common_call(x, bias, residual, prob) -> bool:
     [0, 1]. It accepts only valid calls and costs a few attribute reads; anything else goes through
     _check, which names what is wrong, and the general path."""
     if type(prob) is not float or not 0.0 <= prob <= 1.0 or not isinstance(x, torch.Tensor) \
-            or not isinstance(residual, torch.Tensor) or x.dtype not in FLOAT_DTYPES or not (x.is_cpu or x.is_cuda) \
+            or not isinstance(residual, torch.Tensor) or x.dtype not in FLOAT_DTYPES or not use_kernel(x) \
             or residual.dtype != x.dtype or residual.shape != x.shape or residual.device != x.device:
         return False
     return bias is None or (isinstance(bias, torch.Tensor) and bias.dtype == x.dtype and x.dim() > 0

@@ -162,7 +162,7 @@ def _common_call(input, offset, weight, bias, mask, stride, padding, dilation, o
     many groups. It accepts only valid calls, so the kernel may run at once, and costs a few attribute
     reads; anything else goes through _check_args, which names what is wrong, and the general path."""
     tensor, param = torch.Tensor, nn.Parameter
-    if type(input) is not tensor or type(offset) is not tensor or not (input.is_cpu or input.is_cuda):
+    if type(input) is not tensor or type(offset) is not tensor or not use_kernel(input):
         return None
     dtype, device = input.dtype, input.device
     if dtype not in FLOAT_DTYPES or input.dim() != 4 or offset.dim() != 4 or offset.dtype != dtype \

@@ -225,7 +225,7 @@ def _common_call(x, shape, weight, bias, eps) -> bool:
     `shape`, weight and bias of that shape on x's device in x's dtype, a float eps >= 0. It accepts only
     valid calls and costs a few attribute reads (the kernels' own Python-free checks follow); anything
     else goes through _check, which names what is wrong, and the general path."""
-    if type(x) is not torch.Tensor or type(eps) is not float or not eps >= 0 or not (x.is_cpu or x.is_cuda) \
+    if type(x) is not torch.Tensor or type(eps) is not float or not eps >= 0 or not use_kernel(x) \
             or x.dtype not in FLOAT_DTYPES or x.shape[max(x.dim() - len(shape), 0):] != shape:
         return False
     device, dtype = x.device, x.dtype

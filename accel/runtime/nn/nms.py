@@ -105,7 +105,7 @@ def _common_boxes(boxes, scores) -> bool:
     """True for the boxes and scores a detector passes every step: float tensors [N, 4] and [N] on one
     CPU or CUDA device. Accepts only what _check_boxes_scores accepts (and the kernels serve), for a
     few attribute reads; anything else goes through the checks, which name what is wrong."""
-    return type(boxes) is torch.Tensor and type(scores) is torch.Tensor and (boxes.is_cpu or boxes.is_cuda) \
+    return type(boxes) is torch.Tensor and type(scores) is torch.Tensor and use_kernel(boxes) \
         and boxes.dtype in FLOAT_DTYPES and scores.dtype in FLOAT_DTYPES and boxes.dim() == 2 \
         and boxes.shape[1] == 4 and scores.dim() == 1 and scores.shape[0] == boxes.shape[0] \
         and scores.device == boxes.device
@@ -288,7 +288,7 @@ def soft_nms(dets: torch.Tensor, iou_threshold: float = 0.3, sigma: float = 0.5,
     selection order (which is decreasing rescored score).
     """
     args = _common_soft_args(iou_threshold, sigma, min_score, method)
-    if args is None or type(dets) is not torch.Tensor or not (dets.is_cpu or dets.is_cuda) \
+    if args is None or type(dets) is not torch.Tensor or not use_kernel(dets) \
             or dets.dtype not in FLOAT_DTYPES or dets.dim() != 2 or dets.shape[1] != 5:
         _check_dets(dets)
         args = _check_soft_args(iou_threshold, sigma, min_score, method)

@@ -72,7 +72,7 @@ def _ops():
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     # the common call (a float tensor on the CPU or a GPU) goes straight to the kernel; anything else
     # is checked, which names what is wrong, or takes the reference (XLA)
-    if isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES and (x.is_cpu or x.is_cuda):
+    if isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES and use_kernel(x):
         return _ops().quick_gelu_fwd(x)
     check_tensor("x", x)
     if use_kernel(x):

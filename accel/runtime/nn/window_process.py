@@ -113,8 +113,8 @@ def _common_call(t, B, H, W, C, shift_size, window_size) -> bool:
         and type(shift_size) is int and type(window_size) is int \
         and B > 0 and C > 0 and H > 0 and W > 0 and window_size > 0 \
         and not H % window_size and not W % window_size \
-        and -9223372036854775807 <= shift_size <= 9223372036854775807 \
-        and type(t) is torch.Tensor and (t.is_cpu or t.is_cuda) and t.dtype in FLOAT_DTYPES
+        and -_INT64_MAX <= shift_size <= _INT64_MAX \
+        and type(t) is torch.Tensor and use_kernel(t) and t.dtype in FLOAT_DTYPES
 
 
 # Plain classes called as WindowProcess.apply(...), the interface of the torch.autograd.Function each
