@@ -1,4 +1,5 @@
-"""Shared output for the benchmarks: a printed table, a JSON file and a PNG plot in benchmarks/results/."""
+"""Shared by the benchmarks: a printed table, a JSON file and a PNG plot in benchmarks/results/, and the
+device sync every timer needs."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -12,6 +13,12 @@ import torch
 from accel.utils.atomic_file import atomic_write
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def sync(device) -> None:
+    """Wait for the device's queued work, so that a timer stopped after it measures the work (CUDA)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def device_name(device: str) -> str:

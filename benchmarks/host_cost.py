@@ -27,11 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import _report, kernel_cases  # noqa: E402
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def time_alternating(fns: dict[str, object], device: str, rounds: int, calls: int) -> dict[str, float]:
     """Seconds per call of each fn: the fastest of `rounds` rounds of `calls` calls, the fns taking
     turns round by round."""
@@ -41,11 +36,11 @@ def time_alternating(fns: dict[str, object], device: str, rounds: int, calls: in
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(rounds):
         for name, fn in fns.items():
-            _sync(device)
+            _report.sync(device)
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
-            _sync(device)
+            _report.sync(device)
             best[name] = min(best[name], (time.perf_counter() - start) / calls)
     return best
 

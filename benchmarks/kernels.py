@@ -23,20 +23,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import _report, kernel_cases  # noqa: E402
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def time_call(fn, device: str, min_time: float = 0.2, warmup: int = 3) -> float:
     """Median seconds per call over repeats that together take at least `min_time`."""
     for _ in range(warmup):
         fn()
-    _sync(device)
+    _report.sync(device)
     # calibrate how many calls fill ~min_time/5, then take 5+ batches
     n, start = 1, time.perf_counter()
     fn()
-    _sync(device)
+    _report.sync(device)
     once = max(time.perf_counter() - start, 1e-7)
     n = max(1, int(min_time / 5 / once))
     samples = []
@@ -44,7 +39,7 @@ def time_call(fn, device: str, min_time: float = 0.2, warmup: int = 3) -> float:
         start = time.perf_counter()
         for _ in range(n):
             fn()
-        _sync(device)
+        _report.sync(device)
         samples.append((time.perf_counter() - start) / n)
     return statistics.median(samples)
 

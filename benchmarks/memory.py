@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from accel.checkpoint import activation_bytes, auto_checkpoint, checkpoint_plan  # noqa: E402
+from benchmarks import _report  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 TARGET_SAVING, TARGET_SLOWDOWN = 0.40, 0.30
@@ -64,11 +65,6 @@ def bert_base(device):
     return BertModel(BertConfig()).to(device)  # 12 layers, hidden 768, random weights
 
 
-def sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def make_step(model, inputs):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
@@ -87,10 +83,10 @@ def time_interleaved(steps: dict, n: int, device) -> dict[str, list[float]]:
         step()
     for _ in range(n):
         for name, step in steps.items():
-            sync(device)
+            _report.sync(device)
             t0 = time.perf_counter()
             step()
-            sync(device)
+            _report.sync(device)
             times[name].append(time.perf_counter() - t0)
     return times
 
