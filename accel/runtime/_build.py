@@ -121,6 +121,14 @@ def ops(op: str, register: Callable[[], None] | None = None):
     return torch.ops.accel
 
 
+def entries(op: str, register: Callable[[], None] | None = None) -> ModuleType:
+    """`op`'s extension module, once loaded and registered like `ops`: its functions are the ops'
+    Python entries (csrc/autograd/python_entry.h), the light path of a model's common call. Eager
+    only; under torch.compile call `ops`."""
+    _ensure_loaded(op, register)
+    return load(op)
+
+
 # Dynamo runs a function marked assume_constant_result for real while it traces and keeps only
 # its result, so the build/load happens at trace time and the op already exists when Dynamo
 # looks up torch.ops.accel.<name> right after. Once loaded, this is one dict lookup.

@@ -10,6 +10,7 @@
 #include <torch/autograd.h>
 
 #include "autograd/backward_guard.h"
+#include "autograd/python_entry.h"
 #include <torch/library.h>
 #include <torch/types.h>
 
@@ -108,6 +109,58 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_autograd(
   auto out = LayerNormFunction::apply(x, weight, bias, ndim, eps);
   return {out[0], out[1], out[2]};
 }
+
+namespace py = pybind11;
+
+bool param_ok(const at::Tensor& p, const at::Tensor& x, at::IntArrayRef shape) {
+  const bool reduced = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+  return p.sizes() == shape && p.device() == x.device() &&
+         (p.scalar_type() == x.scalar_type() || (reduced && p.scalar_type() == at::kFloat));
+}
+
+// fused_layer_norm(x, normalized_shape, weight, bias, eps) -> y for the call a model makes every
+// step, or None for anything else (python_entry.h): x a float tensor on the CPU or a GPU whose trailing
+// dims are normalized_shape (a tuple of ints), weight and bias None or of that shape on x's device in
+// one dtype, x's or fp32 beside fp16/bf16 x, and eps a float >= 0.
+py::object layer_norm_entry(py::handle x_obj, py::handle shape_obj, py::handle w_obj, py::handle b_obj,
+                            py::handle eps_obj) {
+  using namespace python_entry;
+  const at::Tensor* x = plain_tensor(x_obj.ptr());
+  double eps = 0;
+  if (x == nullptr || x->is_nested() || x->layout() != at::kStrided || !kernel_device(*x) ||
+      !float_type(x->scalar_type()) || !python_float(eps_obj.ptr(), &eps) || !(eps >= 0) ||
+      !PyTuple_CheckExact(shape_obj.ptr()))
+    return py::none();
+  const int64_t nd = PyTuple_GET_SIZE(shape_obj.ptr());
+  if (nd < 1 || nd > x->dim()) return py::none();
+  const at::IntArrayRef shape = x->sizes().slice(x->dim() - nd);
+  for (int64_t i = 0; i < nd; ++i) {
+    PyObject* d = PyTuple_GET_ITEM(shape_obj.ptr(), i);
+    int overflow = 0;
+    if (!PyLong_CheckExact(d) || PyLong_AsLongLongAndOverflow(d, &overflow) != shape[i] || overflow)
+      return py::none();
+  }
+  c10::optional<at::Tensor> weight, bias;
+  for (auto [obj, out] : {std::pair{w_obj, &weight}, std::pair{b_obj, &bias}}) {
+    if (obj.is_none()) continue;
+    const at::Tensor* p = plain_tensor(obj.ptr());
+    if (p == nullptr || !param_ok(*p, *x, shape)) return py::none();
+    *out = *p;
+  }
+  if (weight && bias && weight->scalar_type() != bias->scalar_type()) return py::none();
+  at::Tensor y;
+  {
+    py::gil_scoped_release no_gil;
+    y = std::get<0>(fwd_op(*x, weight, bias, nd, eps));  // through the dispatcher: autograd applies
+  }
+  return python_entry::wrap(y);
+}
+
+void bind(py::module_& m) {
+  m.def("layer_norm", &layer_norm_entry, "fused_layer_norm's common call, or None: see python_entry.h");
+}
+
+const python_entry::Register register_entry(&bind);
 
 }  // namespace
 

@@ -494,3 +494,79 @@ def test_gradient_is_cpp_and_an_ordinary_backward_runs_no_python(affine):
     expected = torch.autograd.grad(F.layer_norm(x, (10,), w, b), leaves, g)
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_common_call_takes_the_cpp_entry(device):
+    # The call a model makes every step (module or function) is checked and run by the extension's C++
+    # entry (csrc/autograd/python_entry.h): torch.ops' Python (torch/_ops.py) and the Python checks do
+    # not run, and the result and gradients equal F.layer_norm's.
+    torch.manual_seed(4)
+    m = FusedLayerNorm(12).to(device)
+    x = torch.randn(3, 12, device=device, requires_grad=True)
+    m(x)  # loads the kernels outside the probed call
+    y, files = python_calls(lambda: m(x))
+    assert not ran(files, "torch/_ops.py", LIBRARY, "nn/_common.py")
+    ref = F.layer_norm(x, (12,), m.weight, m.bias)
+    torch.testing.assert_close(y, ref, **tol(torch.float32))
+    g = torch.randn_like(y)
+    for got, want in zip(torch.autograd.grad(y, (x, m.weight, m.bias), g),
+                         torch.autograd.grad(ref, (x, m.weight, m.bias), g)):
+        torch.testing.assert_close(got, want, **_grads_tol(torch.float32))
+
+
+class _Tagged(torch.Tensor):
+    """A subclass with its own __torch_function__: it records every function it is handed."""
+    seen: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_calls_the_entry_leaves_to_the_general_path_keep_torchs_semantics():
+    # What the C++ entry does not take goes through torch.ops.accel, where torch's protocols apply:
+    # a subclass's __torch_function__ and a TorchFunctionMode see the op, an int eps is accepted,
+    # fp64 params beside fp32 x are cast; a TorchDispatchMode sees the op on the entry's path too.
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(5)
+    x, w, b = torch.randn(2, 6), torch.randn(6), torch.randn(6)
+    ref = F.layer_norm(x, (6,), w, b)
+    fused_layer_norm(x, 6, w, b)
+
+    _Tagged.seen = []
+    y = fused_layer_norm(x.as_subclass(_Tagged), 6, w, b)
+    assert torch.ops.accel.layer_norm_fwd in _Tagged.seen
+    torch.testing.assert_close(y.as_subclass(torch.Tensor), ref)
+
+    class Log(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+    with Log():
+        y = fused_layer_norm(x, 6, w, b)
+    assert torch.ops.accel.layer_norm_fwd in seen
+    torch.testing.assert_close(y, ref)
+
+    class DispatchLog(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+    with DispatchLog():
+        y = fused_layer_norm(x, 6, w, b)
+    assert torch.ops.accel.layer_norm_fwd.default in seen
+    torch.testing.assert_close(y, ref)
+
+    torch.testing.assert_close(fused_layer_norm(x, 6, w, b, eps=1), F.layer_norm(x, (6,), w, b, eps=1.0))
+    torch.testing.assert_close(fused_layer_norm(x, 6, w.double(), b.double()), ref)
+    with torch.inference_mode():
+        y = fused_layer_norm(x, (6,), w.requires_grad_(), b)
+    assert y.grad_fn is None and y.is_inference()
+    torch.testing.assert_close(y, ref)

@@ -20,7 +20,7 @@ import torch
 from torch.nn.modules.normalization import LayerNorm as _TorchLayerNorm
 
 from accel.runtime import _build
-from accel.runtime.nn._common import FLOAT_DTYPES, check_same_device, check_tensor, use_kernel
+from accel.runtime.nn._common import check_same_device, check_tensor, use_kernel
 
 _REDUCED = (torch.float16, torch.bfloat16)
 
@@ -211,29 +211,16 @@ def fused_layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | N
 
 
 def _layer_norm(x, shape: tuple[int, ...], weight, bias, eps):
-    if not _common_call(x, shape, weight, bias, eps):
-        _check(x, shape, weight, bias, eps)
-        if not use_kernel(x):
-            return layer_norm_reference(x, shape, weight, bias, eps)
-        weight, bias = _kernel_params(x, weight, bias)
-        eps = float(eps)
-    return _ops().layer_norm_fwd(x, weight, bias, len(shape), eps)[0]
-
-
-def _common_call(x, shape, weight, bias, eps) -> bool:
-    """True for the call a model makes every step: a float x on the CPU or a GPU whose trailing dims are
-    `shape`, weight and bias of that shape on x's device in x's dtype, a float eps >= 0. It accepts only
-    valid calls and costs a few attribute reads (the kernels' own Python-free checks follow); anything
-    else goes through _check, which names what is wrong, and the general path."""
-    if type(x) is not torch.Tensor or type(eps) is not float or not eps >= 0 or not use_kernel(x) \
-            or x.dtype not in FLOAT_DTYPES or x.shape[max(x.dim() - len(shape), 0):] != shape:
-        return False
-    device, dtype = x.device, x.dtype
-    for p in (weight, bias):
-        if p is not None and (type(p) is not torch.nn.Parameter and type(p) is not torch.Tensor
-                              or p.dtype != dtype or p.shape != shape or p.device != device):
-            return False
-    return True
+    if not torch.compiler.is_compiling():
+        # the call a model makes every step, checked and run in C++ (None: anything else)
+        y = _build.entries("layer_norm", _register).layer_norm(x, shape, weight, bias, eps)
+        if y is not None:
+            return y
+    _check(x, shape, weight, bias, eps)
+    if not use_kernel(x):
+        return layer_norm_reference(x, shape, weight, bias, eps)
+    weight, bias = _kernel_params(x, weight, bias)
+    return _ops().layer_norm_fwd(x, weight, bias, len(shape), float(eps))[0]
 
 
 class FusedLayerNorm(_TorchLayerNorm):
