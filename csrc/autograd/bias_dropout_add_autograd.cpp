@@ -11,6 +11,7 @@
 #include <torch/autograd.h>
 
 #include "autograd/backward_guard.h"
+#include "autograd/python_entry.h"
 #include <torch/library.h>
 #include <torch/types.h>
 
@@ -86,6 +87,46 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_add_fwd_autograd(const at::Tenso
   auto out = BiasDropoutAddFunction::apply(x, bias, residual, p, train);
   return {out[0], out[1]};
 }
+
+namespace py = pybind11;
+
+// bias_dropout_add(x, bias, residual, prob, training) -> out for the call a model makes every step, or
+// None for anything else (python_entry.h): x a float tensor on the CPU or a GPU, residual of x's shape,
+// dtype and device, bias None or of shape (x.shape[-1],) in x's dtype on x's device, prob a float in
+// [0, 1] and training a bool.
+py::object bias_dropout_add_entry(py::handle x_obj, py::handle bias_obj, py::handle res_obj, py::handle p_obj,
+                                  py::handle train_obj) {
+  using namespace python_entry;
+  const at::Tensor* x = plain_tensor(x_obj.ptr());
+  const at::Tensor* residual = plain_tensor(res_obj.ptr());
+  double p = 0;
+  if (x == nullptr || residual == nullptr || x->is_nested() || x->layout() != at::kStrided || !kernel_device(*x) ||
+      !float_type(x->scalar_type()) || !python_float(p_obj.ptr(), &p) || !(p >= 0.0 && p <= 1.0) ||
+      !PyBool_Check(train_obj.ptr()) || residual->scalar_type() != x->scalar_type() ||
+      residual->device() != x->device() || residual->layout() != at::kStrided || residual->sizes() != x->sizes())
+    return py::none();
+  c10::optional<at::Tensor> bias;
+  if (!bias_obj.is_none()) {
+    const at::Tensor* b = plain_tensor(bias_obj.ptr());
+    if (b == nullptr || x->dim() == 0 || b->dim() != 1 || b->size(0) != x->size(-1) ||
+        b->scalar_type() != x->scalar_type() || b->device() != x->device() || b->layout() != at::kStrided)
+      return py::none();
+    bias = *b;
+  }
+  const bool train = train_obj.ptr() == Py_True;
+  at::Tensor out;
+  {
+    py::gil_scoped_release no_gil;
+    out = std::get<0>(fwd_op(*x, bias, *residual, p, train));  // through the dispatcher: autograd applies
+  }
+  return python_entry::wrap(out);
+}
+
+void bind(py::module_& m) {
+  m.def("bias_dropout_add", &bias_dropout_add_entry, "bias_dropout_add's common call, or None: see python_entry.h");
+}
+
+const python_entry::Register register_entry(&bind);
 
 }  // namespace
 

@@ -412,3 +412,47 @@ def test_gradient_is_cpp_and_an_ordinary_backward_runs_no_python(p):
     torch.testing.assert_close(gx, mask * g / (1 - p))
     torch.testing.assert_close(gb, gx.sum(0))
     torch.testing.assert_close(gr, g)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ["bias_dropout_add", "dropout_add_fused_train", "dropout_add_fused"])
+def test_common_call_takes_the_cpp_entry(device, form):
+    # The call a model makes every step is checked and run by the extension's C++ entry
+    # (csrc/autograd/python_entry.h): torch.ops' Python (torch/_ops.py) and the Python checks do not
+    # run; the result is the formula's with the op's own mask.
+    x, bias, residual = inputs((3, 10), torch.float32, device, seed=6)
+    call = {"bias_dropout_add": lambda: bias_dropout_add(x, bias, residual, 0.25, True),
+            "dropout_add_fused_train": lambda: dropout_add_fused_train(x, residual, 0.25),
+            "dropout_add_fused": lambda: dropout_add_fused(x, residual, 0.25)}[form]
+    mask = recover_mask((3, 10), 0.25, seed=15, device=device) if form != "dropout_add_fused" \
+        else torch.ones(3, 10, dtype=torch.bool, device=device)
+    torch.manual_seed(15)
+    out, files = python_calls(call)
+    assert not ran(files, "torch/_ops.py", "nn/_common.py")
+    p = 0.25 if form != "dropout_add_fused" else 0.0
+    want = by_hand(x, bias if form == "bias_dropout_add" else None, residual, mask, p)
+    torch.testing.assert_close(out.double(), want)
+
+
+def test_calls_the_entry_leaves_to_the_general_path_keep_torchs_semantics():
+    # What the C++ entry does not take goes through torch.ops.accel, where torch's protocols apply: a
+    # TorchFunctionMode sees the op; an int prob and an int training flag are accepted as numbers.
+    from torch.overrides import TorchFunctionMode
+
+    x, bias, residual = inputs((2, 6), torch.float32, "cpu", seed=7)
+    bias_dropout_add(x, bias, residual, 0.5, True)
+
+    class Log(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+    torch.manual_seed(3)
+    with Log():
+        a = bias_dropout_add(x, bias, residual, 0.5, True)
+    assert torch.ops.accel.bias_dropout_add_fwd in seen
+    torch.manual_seed(3)
+    torch.testing.assert_close(a, bias_dropout_add(x, bias, residual, 0.5, True), rtol=0, atol=0)
+    torch.testing.assert_close(bias_dropout_add(x, bias, residual, 0, 1), residual + (x + bias))
+    torch.testing.assert_close(bias_dropout_add(x, bias, residual, 1, 0), residual + (x + bias))

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from accel.runtime import _build
-from accel.runtime.nn._common import FLOAT_DTYPES, check_same_device, check_tensor, use_kernel
+from accel.runtime.nn._common import check_same_device, check_tensor, use_kernel
 
 __all__ = ["bias_dropout_add", "dropout_add_fused_train", "dropout_add_fused", "bias_dropout_add_reference"]
 
@@ -51,19 +51,6 @@ def _check(x, bias, residual, prob, x_name="x", residual_name="residual", prob_n
         if bias.dtype != x.dtype:
             raise ValueError(f"bias: expected the dtype of {x_name} ({x.dtype}), got {bias.dtype}")
     check_same_device(**{x_name: x, residual_name: residual, "bias": bias})
-
-
-def _common_call(x, bias, residual, prob) -> bool:
-    """True for the call a model makes every step: a float x on the CPU or a GPU, residual of x's shape,
-    dtype and device, bias None or of shape (x.shape[-1],) in x's dtype on x's device, a float prob in
-    [0, 1]. It accepts only valid calls and costs a few attribute reads; anything else goes through
-    _check, which names what is wrong, and the general path."""
-    if type(prob) is not float or not 0.0 <= prob <= 1.0 or not isinstance(x, torch.Tensor) \
-            or not isinstance(residual, torch.Tensor) or x.dtype not in FLOAT_DTYPES or not use_kernel(x) \
-            or residual.dtype != x.dtype or residual.shape != x.shape or residual.device != x.device:
-        return False
-    return bias is None or (isinstance(bias, torch.Tensor) and bias.dtype == x.dtype and x.dim() > 0
-                            and bias.shape == x.shape[-1:] and bias.device == x.device)
 
 
 def _register():
@@ -98,9 +85,18 @@ def _ops():
 
 
 def _fused(x, bias, residual, prob, training):
+    """The op on a call _check accepted: the kernels on CPU and CUDA tensors, the reference elsewhere."""
     if use_kernel(x):
         return _ops().bias_dropout_add_fwd(x, bias, residual, float(prob), bool(training))[0]
     return bias_dropout_add_reference(x, bias, residual, float(prob), bool(training))
+
+
+def _entry(x, bias, residual, prob, training):
+    """The call a model makes every step, checked and run in C++ (csrc/autograd/python_entry.h); None
+    for anything else, and under torch.compile, which traces the general path."""
+    if torch.compiler.is_compiling():
+        return None
+    return _build.entries("bias_dropout_add", _register).bias_dropout_add(x, bias, residual, prob, training)
 
 
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, prob: float,
@@ -109,16 +105,18 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
 
     bias has shape (x.shape[-1],) (or is None); residual has x's shape; all share dtype and device.
     """
-    if _common_call(x, bias, residual, prob):
-        return _ops().bias_dropout_add_fwd(x, bias, residual, prob, bool(training))[0]
+    out = _entry(x, bias, residual, prob, training)
+    if out is not None:
+        return out
     _check(x, bias, residual, prob)
     return _fused(x, bias, residual, prob, training)
 
 
 def dropout_add_fused_train(x: torch.Tensor, to_add: torch.Tensor, drop_rate: float) -> torch.Tensor:
     """to_add + dropout(x, drop_rate), for training (TorchAcc's fused_bias_dropout_add)."""
-    if _common_call(x, None, to_add, drop_rate):
-        return _ops().bias_dropout_add_fwd(x, None, to_add, drop_rate, True)[0]
+    out = _entry(x, None, to_add, drop_rate, True)
+    if out is not None:
+        return out
     _check(x, None, to_add, drop_rate, residual_name="to_add", prob_name="drop_rate")
     return _fused(x, None, to_add, drop_rate, True)
 
@@ -126,6 +124,8 @@ def dropout_add_fused_train(x: torch.Tensor, to_add: torch.Tensor, drop_rate: fl
 def dropout_add_fused(x: torch.Tensor, to_add: torch.Tensor, drop_rate: float) -> torch.Tensor:
     """x + to_add: the inference counterpart of dropout_add_fused_train (dropout is the identity).
     drop_rate is checked but unused, so the two calls are interchangeable."""
-    if not _common_call(x, None, to_add, drop_rate):
-        _check(x, None, to_add, drop_rate, residual_name="to_add", prob_name="drop_rate")
-    return x + to_add
+    out = _entry(x, None, to_add, drop_rate, False)
+    if out is not None:
+        return out
+    _check(x, None, to_add, drop_rate, residual_name="to_add", prob_name="drop_rate")
+    return _fused(x, None, to_add, drop_rate, False)
