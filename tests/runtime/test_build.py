@@ -40,6 +40,8 @@ def _fake_csrc(tmp_path, body):
     csrc = tmp_path / "csrc"
     (csrc / "cpu").mkdir(parents=True, exist_ok=True)
     (csrc / "bindings.cpp").write_text((ROOT / "csrc" / "bindings.cpp").read_text())
+    # with the headers bindings.cpp includes (autograd/python_entry.h); no op's autograd sources
+    shutil.copytree(ROOT / "csrc" / "autograd", csrc / "autograd", ignore=shutil.ignore_patterns("*.cpp"))
     (csrc / "cpu" / "probe.cpp").write_text(body)
     return csrc
 
