@@ -10,7 +10,7 @@ DEPS   := transformers numpy pytest pybind11 ninja tqdm matplotlib ensemble-boxe
 
 export PJRT_DEVICE ?= CPU
 
-.PHONY: venv install test bench bench-kernels check-cuda clean
+.PHONY: venv install test test-torch bench bench-kernels check-cuda clean
 
 $(VENV)/.deps: Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The tests that do not need torch_xla (which pins torch 2.9) under another torch, in a venv of its own
+# (accel supports torch 2.9 to 2.13):  make test-torch TORCH=2.13.0+cpu   (see tools/test_torch.sh)
+TORCH ?= 2.13.0+cpu
+
+test-torch:
+	PYTHON=$(PYTHON) bash tools/test_torch.sh $(TORCH)
 
 bench: install
 	$(PY) benchmarks/bert_base.py

@@ -46,12 +46,15 @@ def flags(name: str) -> list[str]:
     site = Path(torch.__file__).resolve().parents[1]
     # nvcc's own toolkit headers first: the nvidia-* wheels of torch's CUDA 12.8 build carry an
     # older cuda_runtime.h that nvcc 13's headers refuse. The wheels then supply the library
-    # headers the toolkit lacks (cusparse.h, cublas.h, ...).
+    # headers the toolkit lacks (cusparse.h, cublas.h, ...): a folder per library in the CUDA 12
+    # wheels (nvidia/cusparse/include), one folder that holds the runtime's headers too in the CUDA 13
+    # wheels of torch >= 2.11 (nvidia/cu13/include). Those folders come after the toolkit's, so a
+    # header both have is the toolkit's.
     toolkit = toolkit_include()
     incs = [str(toolkit)] + include_paths() + [sysconfig.get_paths()["include"], str(ROOT / "csrc")]
     for wheel_inc in sorted(glob.glob(str(site / "nvidia" / "*" / "include"))):
         headers = [h.name for h in Path(wheel_inc).glob("*.h")]
-        if headers and not any((toolkit / h).exists() for h in headers):
+        if any(not (toolkit / h).exists() for h in headers):
             incs.append(wheel_inc)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # COMMON_NVCC_FLAGS are the flags every cpp_extension build passes (no implicit half/bfloat16
