@@ -64,7 +64,10 @@ def count_communication(model, counts):
 
         inner.register_comm_hook(None, hook)
         return lambda: None
-    return _count_calls(dist, "reduce_scatter_tensor", counts)
+    # FSDP2 calls dist.reduce_scatter_single from torch 2.13 on (reduce_scatter_tensor, before; it is now a
+    # deprecated alias of reduce_scatter_single)
+    return _count_calls(dist, "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
+                        else "reduce_scatter_tensor", counts)
 
 
 def fsdp_layout(model):
