@@ -30,16 +30,20 @@ inline Rows rows_of(const at::Tensor& x, int64_t normalized_ndim) {
   return {M, N};
 }
 
+// The params' dtypes the kernels take: x's, or fp32 beside fp16/bf16 x (master weights).
+inline bool param_type_ok(at::ScalarType x_type, at::ScalarType p_type) {
+  return p_type == x_type || ((x_type == at::kHalf || x_type == at::kBFloat16) && p_type == at::kFloat);
+}
+
 inline void check_params(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
                   const c10::optional<at::Tensor>& bias, int64_t N) {
-  const bool reduced = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
   c10::optional<at::ScalarType> param_type;
   for (const auto* p : {&weight, &bias}) {
     if (!p->has_value()) continue;
     const at::Tensor& t = **p;
     TORCH_CHECK(t.numel() == N, "layer_norm: weight/bias must have ", N, " elements, got ", t.numel());
     TORCH_CHECK(t.device() == x.device(), "layer_norm: weight/bias must be on x's device");
-    TORCH_CHECK(t.scalar_type() == x.scalar_type() || (reduced && t.scalar_type() == at::kFloat),
+    TORCH_CHECK(param_type_ok(x.scalar_type(), t.scalar_type()),
                 "layer_norm: weight/bias must have x's dtype or (for half/bfloat16 x) float32");
     TORCH_CHECK(!param_type || *param_type == t.scalar_type(), "layer_norm: weight and bias dtypes differ");
     param_type = t.scalar_type();

@@ -11,6 +11,7 @@
 
 #include "autograd/backward_guard.h"
 #include "autograd/python_entry.h"
+#include "layer_norm_host.h"
 #include <torch/library.h>
 #include <torch/types.h>
 
@@ -113,9 +114,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_autograd(
 namespace py = pybind11;
 
 bool param_ok(const at::Tensor& p, const at::Tensor& x, at::IntArrayRef shape) {
-  const bool reduced = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
   return p.sizes() == shape && p.device() == x.device() &&
-         (p.scalar_type() == x.scalar_type() || (reduced && p.scalar_type() == at::kFloat));
+         layer_norm_host::param_type_ok(x.scalar_type(), p.scalar_type());
 }
 
 // fused_layer_norm(x, normalized_shape, weight, bias, eps) -> y for the call a model makes every
