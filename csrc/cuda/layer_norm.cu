@@ -6,8 +6,13 @@
 // reduces with warp shuffles and, when wider than a warp, through shared memory. Statistics are
 // in float (double for float64 x): shifted sums per thread, merged across threads as Welford states
 // (a row whose sums overflow, |x| around 1e19 and beyond in float, is redone on exactly scaled
-// values). Loads and stores are 16-byte vectors when N and every pointer allow it. dweight/dbias: a column reduction over rows in two deterministic stages
-// (per row-chunk partials in fp32, then a fixed-order sum), with no atomics.
+// values). Loads and stores are 16-byte vectors when N and every pointer allow it.
+//
+// Backward, rows of up to 16 elements per thread of a 512-thread team (N <= 8192; 4096 in double): one
+// pass over x and dy. Each team keeps its part of the row in registers for dx and adds dy*xhat and dy
+// into per-thread dweight/dbias sums over all the rows it takes; a block then writes one fp32 row of
+// partial sums, and a second kernel sums those rows in a fixed order (deterministic, no atomics).
+// Wider rows take two sweeps: the dx kernel, then per row-chunk partials of dweight/dbias.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -17,6 +22,7 @@
 #include "layer_norm_host.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
@@ -236,6 +242,40 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_fwd_kernel(const T* __res
 }
 
 // dx = rstd * (w*dy - mean_j(w*dy) - xhat * mean_j(w*dy*xhat)), xhat = (x - mean) * rstd.
+// The two helpers below are the per-vector halves of that formula, shared by both backward kernels.
+
+// Adds one vector's w*dy and w*dy*xhat to the row's sums (w == nullptr: no weight).
+template <typename acc_t, typename T, typename P, int VEC>
+__device__ __forceinline__ void add_row_sums(const Pack<T, VEC>& px, const Pack<T, VEC>& pg, const Pack<P, VEC>& pw,
+                                             const P* w, acc_t mu, acc_t rs, Sums<acc_t>& s) {
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    acc_t wg = static_cast<acc_t>(pg.v[k]);
+    if (w != nullptr) wg = mul_rn(wg, static_cast<acc_t>(pw.v[k]));
+    s.a += wg;
+    // w*dy*xhat (w*dy*(x - mean) would overflow for rows of huge |x|)
+    s.b += wg * ((static_cast<acc_t>(px.v[k]) - mu) * rs);
+  }
+}
+
+// One vector of dx from the row's means a = mean(w*dy) and bsum = mean(w*dy*xhat).
+template <typename acc_t, typename T, typename P, int VEC>
+__device__ __forceinline__ Pack<T, VEC> dx_vector(const Pack<T, VEC>& px, const Pack<T, VEC>& pg, const Pack<P, VEC>& pw,
+                                                  const P* w, acc_t mu, acc_t rs, acc_t a, acc_t bsum) {
+  Pack<T, VEC> out;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    acc_t wg = static_cast<acc_t>(pg.v[k]);
+    if (w != nullptr) wg = mul_rn(wg, static_cast<acc_t>(pw.v[k]));
+    const acc_t xhat = (static_cast<acc_t>(px.v[k]) - mu) * rs;
+    out.v[k] = static_cast<T>(rs * (wg - a - xhat * bsum));
+  }
+  return out;
+}
+
+// dx alone, for rows wider than the fused kernel takes (their dweight/dbias come from the two stages below).
+// Assumptions: blockDim.x = tpr * rows per block, tpr a power of two in [32, 1024]; VEC elements per access,
+// N % VEC == 0 and every pointer aligned to a whole vector; any grid (grid-stride over row groups).
 template <typename T, typename P, int VEC>
 __global__ void __launch_bounds__(kMaxTeam) layer_norm_bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                          const typename AccOf<T>::type* __restrict__ mean,
@@ -258,18 +298,9 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_bwd_dx_kernel(const T* __
     Sums<acc_t> s{acc_t(0), acc_t(0)};
     if (valid) {
       for (int64_t v = lane; v < nvec; v += tpr) {
-        const Pack<T, VEC> px = xr[v];
-        const Pack<T, VEC> pg = gr[v];
         Pack<P, VEC> pw;
         if (w != nullptr) pw = wv[v];
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          acc_t wg = static_cast<acc_t>(pg.v[k]);
-          if (w != nullptr) wg = mul_rn(wg, static_cast<acc_t>(pw.v[k]));
-          s.a += wg;
-          // w*dy*xhat (w*dy*(x - mean) would overflow for rows of huge |x|)
-          s.b += wg * ((static_cast<acc_t>(px.v[k]) - mu) * rs);
-        }
+        add_row_sums(xr[v], gr[v], pw, w, mu, rs, s);
       }
     }
     s = team_allreduce(s, smem, tpr);
@@ -278,19 +309,110 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_bwd_dx_kernel(const T* __
     const acc_t bsum = s.b * inv_n;
     Pack<T, VEC>* dxr = reinterpret_cast<Pack<T, VEC>*>(dx + row * N);
     for (int64_t v = lane; v < nvec; v += tpr) {
-      const Pack<T, VEC> px = xr[v];
-      const Pack<T, VEC> pg = gr[v];
       Pack<P, VEC> pw;
       if (w != nullptr) pw = wv[v];
-      Pack<T, VEC> out;
+      dxr[v] = dx_vector(xr[v], gr[v], pw, w, mu, rs, a, bsum);
+    }
+  }
+}
+
+// The fused backward: dx, and (partial != nullptr) per-block partial sums of dweight = sum(dy * xhat) and
+// dbias = sum(dy) in partial[blockIdx.x][0 or 1][col], fp32 (double for double x).
+constexpr int kFusedMaxThreads = 512;   // 128 registers a thread: the row part and the sums stay in registers
+constexpr int kFusedBlockThreads = 256; // rows per block = this / tpr (at least one)
+
+// Vectors a thread holds: 16 elements (8 in double, whose sums take two registers each).
+template <typename T, int VEC>
+constexpr int fused_vectors() {
+  return (sizeof(typename AccOf<T>::type) == 8 ? 8 : 16) / VEC;
+}
+
+// Assumptions: blockDim.x = tpr * rows per block, tpr a multiple of 32 with tpr * VPT >= N / VEC and
+// blockDim.x <= kFusedMaxThreads; VEC elements per access, N % VEC == 0 and every pointer aligned to a whole
+// vector; any grid (team t of block b takes rows b * rows per block + t, then every gridDim.x * rows per block
+// further). Every thread of a block runs the same number of row iterations (team_allreduce may sync).
+template <typename T, typename P, int VEC, int VPT>
+__global__ void __launch_bounds__(kFusedMaxThreads) layer_norm_bwd_fused_kernel(
+    const T* __restrict__ dy, const T* __restrict__ x, const typename AccOf<T>::type* __restrict__ mean,
+    const typename AccOf<T>::type* __restrict__ rstd, const P* __restrict__ w, T* __restrict__ dx,
+    typename AccOf<T>::type* __restrict__ partial, int64_t M, int64_t N, int tpr) {
+  using acc_t = typename AccOf<T>::type;
+  __shared__ Sums<acc_t> smem[kFusedMaxThreads / kWarp];
+  __shared__ acc_t across[kFusedMaxThreads];
+  const int rpb = blockDim.x / tpr;
+  const int team = threadIdx.x / tpr;
+  const int lane = threadIdx.x % tpr;
+  const int64_t nvec = N / VEC;
+  const bool params = partial != nullptr;
+  // A thread's vectors are lane + j * tpr, the same in every row: its weights are loaded once.
+  Pack<P, VEC> pw[VPT];
+#pragma unroll
+  for (int j = 0; j < VPT; ++j)
+    if (w != nullptr && lane + (int64_t)j * tpr < nvec) pw[j] = reinterpret_cast<const Pack<P, VEC>*>(w)[lane + j * tpr];
+  acc_t dw[VPT][VEC], db[VPT][VEC];
+#pragma unroll
+  for (int j = 0; j < VPT; ++j)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) dw[j][k] = db[j][k] = acc_t(0);
+  const acc_t inv_n = acc_t(1) / static_cast<acc_t>(N);
+  for (int64_t base = (int64_t)blockIdx.x * rpb; base < M; base += (int64_t)gridDim.x * rpb) {
+    const int64_t row = base + team;
+    const bool valid = row < M;
+    const int64_t r = valid ? row : 0;
+    const Pack<T, VEC>* xr = reinterpret_cast<const Pack<T, VEC>*>(x + r * N);
+    const Pack<T, VEC>* gr = reinterpret_cast<const Pack<T, VEC>*>(dy + r * N);
+    const acc_t mu = mean[r], rs = rstd[r];
+    Pack<T, VEC> px[VPT], pg[VPT];
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {  // all loads first: they are in flight together
+      const int64_t v = lane + (int64_t)j * tpr;
+      if (valid && v < nvec) {
+        px[j] = xr[v];
+        pg[j] = gr[v];
+      }
+    }
+    Sums<acc_t> s{acc_t(0), acc_t(0)};
+#pragma unroll
+    for (int j = 0; j < VPT; ++j)
+      if (valid && lane + (int64_t)j * tpr < nvec) add_row_sums(px[j], pg[j], pw[j], w, mu, rs, s);
+    s = team_allreduce(s, smem, tpr);
+    if (!valid) continue;
+    const acc_t a = s.a * inv_n;
+    const acc_t bsum = s.b * inv_n;
+    Pack<T, VEC>* dxr = reinterpret_cast<Pack<T, VEC>*>(dx + row * N);
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      const int64_t v = lane + (int64_t)j * tpr;
+      if (v >= nvec) continue;
+      dxr[v] = dx_vector(px[j], pg[j], pw[j], w, mu, rs, a, bsum);
+      if (!params) continue;
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        acc_t wg = static_cast<acc_t>(pg.v[k]);
-        if (w != nullptr) wg = mul_rn(wg, static_cast<acc_t>(pw.v[k]));
-        const acc_t xhat = (static_cast<acc_t>(px.v[k]) - mu) * rs;
-        out.v[k] = static_cast<T>(rs * (wg - a - xhat * bsum));
+        const acc_t g = static_cast<acc_t>(pg[j].v[k]);
+        dw[j][k] += g * ((static_cast<acc_t>(px[j].v[k]) - mu) * rs);  // dy * xhat: finite for huge x
+        db[j][k] += g;
       }
-      dxr[v] = out;
+    }
+  }
+  if (!params) return;
+  // The block's teams hold sums for the same columns: team 0 adds them in team order and writes the block's row.
+  acc_t* out = partial + (int64_t)blockIdx.x * 2 * N;
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    const int64_t v = lane + (int64_t)j * tpr;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+#pragma unroll
+      for (int which = 0; which < 2; ++which) {
+        acc_t sum = which == 0 ? dw[j][k] : db[j][k];
+        if (rpb > 1) {
+          across[threadIdx.x] = sum;
+          __syncthreads();
+          for (int t = 1; t < rpb; ++t) sum += across[t * tpr + lane];
+          __syncthreads();
+        }
+        if (team == 0 && v < nvec) out[which * N + v * VEC + k] = sum;
+      }
     }
   }
 }
@@ -333,19 +455,27 @@ __global__ void layer_norm_bwd_params_partial_kernel(const T* __restrict__ dy, c
   }
 }
 
-// Stage 2: sum the chunks' partials in order (deterministic) and round to the params' dtype.
+// Stage 2 (both paths): dweight/dbias[c] = the sum over k of partial[k][0 or 1][c], rounded to the params'
+// dtype. Block (kCols, kRowThreads) over kCols columns of one of the two (blockIdx.y): thread row ty adds
+// k = ty, ty + kRowThreads, ..., then row 0 adds the kRowThreads sums in order (deterministic). Rows of
+// partials are read in parallel: hundreds of them (one per block of the fused kernel) would otherwise be
+// a serial chain per column.
+// Assumptions: blockDim = (kCols, kRowThreads); gridDim = (ceil(N / kCols), 2).
 template <typename acc_t, typename P>
 __global__ void layer_norm_bwd_params_final_kernel(const acc_t* __restrict__ partial, P* __restrict__ dw,
                                                    P* __restrict__ db, int64_t chunks, int64_t N) {
-  for (int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; c < N; c += (int64_t)gridDim.x * blockDim.x) {
-    acc_t aw = 0, ab = 0;
-    for (int64_t k = 0; k < chunks; ++k) {
-      aw += partial[(k * 2) * N + c];
-      ab += partial[(k * 2 + 1) * N + c];
-    }
-    if (dw != nullptr) dw[c] = static_cast<P>(aw);
-    if (db != nullptr) db[c] = static_cast<P>(ab);
-  }
+  __shared__ acc_t sums[kRowThreads][kCols + 1];
+  P* out = blockIdx.y == 0 ? dw : db;
+  if (out == nullptr) return;  // uniform across the block
+  const int64_t col = (int64_t)blockIdx.x * kCols + threadIdx.x;
+  acc_t sum = 0;
+  if (col < N)
+    for (int64_t k = threadIdx.y; k < chunks; k += kRowThreads) sum += partial[(k * 2 + blockIdx.y) * N + col];
+  sums[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y != 0 || col >= N) return;
+  for (int i = 1; i < kRowThreads; ++i) sum += sums[i][threadIdx.x];
+  out[col] = static_cast<P>(sum);
 }
 
 inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -400,6 +530,55 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cuda(
   return {f.y, f.mean, f.rstd};
 }
 
+// Blocks of a kernel a device keeps resident at `threads` a block (its registers decide), asked of the runtime
+// once per kernel and block size, not on every backward (the first device's answer serves every device).
+template <auto kernel>
+int64_t resident_blocks(int threads) {
+  static std::atomic<int> cached[kFusedMaxThreads / kWarp + 1] = {};
+  std::atomic<int>& c = cached[threads / kWarp];
+  int n = c.load(std::memory_order_relaxed);
+  if (n == 0) {
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
+    n = std::max(n, 1);
+    c.store(n, std::memory_order_relaxed);
+  }
+  return n * static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+}
+
+// Rows a team takes at least before another block (and its row of partial sums) is added: the partials
+// cost 2 N fp32 writes and reads a block, against the rows' 3 N elements of traffic each.
+constexpr int64_t kFusedMinRowsPerTeam = 4;
+
+// Stage 2 over `chunks` rows of partial sums into the requested dweight/dbias.
+template <typename acc_t, typename P>
+void finish_params(const at::Tensor& partial, int64_t chunks, int64_t N, P* dwp, P* dbp, cudaStream_t stream) {
+  const int64_t col_tiles = (N + kCols - 1) / kCols;
+  TORCH_CHECK(col_tiles <= 0x7fffffff, "layer_norm_bwd: normalized size too large");
+  layer_norm_bwd_params_final_kernel<acc_t, P><<<dim3((unsigned)col_tiles, 2), dim3(kCols, kRowThreads), 0, stream>>>(
+      partial.const_data_ptr<acc_t>(), dwp, dbp, chunks, N);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The fused backward of M rows of N with teams of tpr threads: as many blocks as stay resident, fewer when
+// the rows are too few to give every team kFusedMinRowsPerTeam of them; then stage 2 when dweight or dbias
+// is asked for (dwp/dbp not null).
+template <typename T, typename P, int VEC>
+void bwd_fused(const BwdPtrs<T, P>& d, int64_t M, int64_t N, int tpr, P* dwp, P* dbp, const at::Tensor& like,
+               cudaStream_t stream) {
+  using acc_t = typename AccOf<T>::type;
+  constexpr auto kernel = layer_norm_bwd_fused_kernel<T, P, VEC, fused_vectors<T, VEC>()>;
+  const bool params = dwp != nullptr || dbp != nullptr;
+  const int rpb = std::max(1, kFusedBlockThreads / tpr);
+  const int64_t min_rows = params ? rpb * kFusedMinRowsPerTeam : rpb;
+  const int64_t blocks = std::max<int64_t>(1, std::min(resident_blocks<kernel>(tpr * rpb), (M + min_rows - 1) / min_rows));
+  at::Tensor partial;
+  if (params) partial = at::empty({blocks, 2, N}, like.options().dtype(stat_type_of(like)));
+  kernel<<<(unsigned)blocks, tpr * rpb, 0, stream>>>(d.dy, d.x, d.mean, d.rstd, d.w, d.dx,
+                                                      params ? partial.mutable_data_ptr<acc_t>() : nullptr, M, N, tpr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (params) finish_params<acc_t, P>(partial, blocks, N, dwp, dbp, stream);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
     const at::Tensor& dy_, const at::Tensor& x_, const at::Tensor& mean_, const at::Tensor& rstd_,
     const c10::optional<at::Tensor>& weight_, const c10::optional<at::Tensor>& bias_, int64_t normalized_ndim,
@@ -415,9 +594,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
     using acc_t = typename AccOf<T>::type;
     constexpr int VEC = 16 / sizeof(T);
     const auto d = ptrs_of<T, P>(b);
+    P* dwp = need_dweight ? b.dweight.mutable_data_ptr<P>() : nullptr;
+    P* dbp = need_dbias ? b.dbias.mutable_data_ptr<P>() : nullptr;
     const bool vec_ok = N % VEC == 0 && aligned(d.x, 16) && aligned(d.dy, 16) && aligned(d.dx, 16) &&
                         (d.w == nullptr || aligned(d.w, sizeof(P) * VEC));
-    const Launch l = launch_for(M, N, vec_ok ? VEC : 1);
+    const int vec = vec_ok ? VEC : 1;
+    const int64_t nvec = N / vec;
+    const int64_t per_warp = kWarp * static_cast<int64_t>(vec_ok ? fused_vectors<T, VEC>() : fused_vectors<T, 1>());
+    const int64_t fused_tpr = kWarp * ((nvec + per_warp - 1) / per_warp);  // the smallest team that holds a row
+    if (fused_tpr <= kFusedMaxThreads) {
+      const int tpr = static_cast<int>(fused_tpr);
+      if (vec_ok) bwd_fused<T, P, VEC>(d, M, N, tpr, dwp, dbp, b.x, stream);
+      else bwd_fused<T, P, 1>(d, M, N, tpr, dwp, dbp, b.x, stream);
+      return;
+    }
+
+    const Launch l = launch_for(M, N, vec);
     if (vec_ok) {
       layer_norm_bwd_dx_kernel<T, P, VEC><<<l.blocks, l.threads, 0, stream>>>(
           d.dy, d.x, d.mean, d.rstd, d.w, d.dx, M, N, l.tpr);
@@ -426,29 +618,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
           d.dy, d.x, d.mean, d.rstd, d.w, d.dx, M, N, l.tpr);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (!need_dweight && !need_dbias) return;
+    if (dwp == nullptr && dbp == nullptr) return;
 
     // Row chunks: enough blocks to fill the GPU, each chunk at least 64 rows, gridDim.y <= 65535.
-    const int64_t col_tiles = (N + kCols - 1) / kCols;
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const int64_t col_tiles = (N + kCols - 1) / kCols;
     int64_t chunks = std::max<int64_t>(1, (sms * 8 + col_tiles - 1) / col_tiles);
     chunks = std::min<int64_t>({chunks, (M + 63) / 64, 65535});
     chunks = std::max<int64_t>(chunks, 1);
     const int64_t rows_per_chunk = (M + chunks - 1) / chunks;
     chunks = (M + rows_per_chunk - 1) / rows_per_chunk;
-    TORCH_CHECK(col_tiles <= 0x7fffffff, "layer_norm_bwd: normalized size too large");
     auto partial = at::empty({chunks, 2, N}, b.x.options().dtype(stat_type_of(b.x)));
     layer_norm_bwd_params_partial_kernel<T><<<dim3((unsigned)col_tiles, (unsigned)chunks), dim3(kCols, kRowThreads),
                                               0, stream>>>(d.dy, d.x, d.mean, d.rstd, partial.mutable_data_ptr<acc_t>(), M, N,
                                                            rows_per_chunk);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    P* dwp = need_dweight ? b.dweight.mutable_data_ptr<P>() : nullptr;
-    P* dbp = need_dbias ? b.dbias.mutable_data_ptr<P>() : nullptr;
-    const int threads = 256;
-    const int64_t blocks = std::min<int64_t>((N + threads - 1) / threads, sms * 32);
-    layer_norm_bwd_params_final_kernel<acc_t, P><<<(unsigned)std::max<int64_t>(blocks, 1), threads, 0, stream>>>(
-        partial.const_data_ptr<acc_t>(), dwp, dbp, chunks, N);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    finish_params<acc_t, P>(partial, chunks, N, dwp, dbp, stream);
   });
   return {b.dx, b.dweight, b.dbias};
 }

@@ -10,8 +10,8 @@ from ._autograd_probe import ACCEL_RUNTIME, LIBRARY, autograd_kernel, python_cal
 from ._params import DEVICES, DTYPES, NO_CUDA, tol
 
 # (input shape, normalized_shape): odd sizes, one-element rows, multi-dim normalized shapes, empty.
-# On CUDA, 768 takes one warp per row, 2000 two warps per row with a half-empty last block of
-# rows (3 rows, 2 per block), 5000 a block-wide team.
+# On CUDA the forward takes one warp per row of 768, two warps per row of 2000 with a half-empty last
+# block of rows (3 rows, 2 per block), a block-wide team for 5000; the backward's teams: FUSED_LIMITS.
 SHAPES = [((7,), (7,)), ((3, 1023), (1023,)), ((2, 5, 129), (5, 129)), ((4, 1), (1,)),
           ((6, 768), (768,)), ((3, 2000), (2000,)), ((5, 5000), (5000,)), ((0, 16), (16,))]
 
@@ -219,6 +219,36 @@ def test_many_rows_cover_the_grid_stride_loops(device):
     torch.testing.assert_close(dx, dxr.float(), **_grads_tol(torch.float32))
     torch.testing.assert_close(dw, dwr.float(), rtol=1e-4, atol=1e-3)  # sums of 40000 rows
     torch.testing.assert_close(db, dbr.float(), rtol=1e-4, atol=1e-3)
+
+
+# On CUDA the backward takes one pass over x and dy for rows of up to 512 threads x 16 elements (8 in
+# double); wider rows take the dx kernel and a second sweep for dweight/dbias. Each pair straddles that
+# limit; 37 rows leave the last block of teams part empty, 3000 rows give each team several rows to sum.
+FUSED_LIMITS = [(torch.float32, torch.float32, 8192, 37), (torch.float32, torch.float32, 8196, 37),
+                (torch.bfloat16, torch.float32, 8192, 37), (torch.bfloat16, torch.bfloat16, 8200, 37),
+                (torch.float64, torch.float64, 4096, 37), (torch.float64, torch.float64, 4098, 37),
+                (torch.bfloat16, torch.float32, 768, 3000), (torch.float32, torch.float32, 2000, 3000)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,pdtype,n,rows", FUSED_LIMITS,
+                         ids=[f"{str(d).replace('torch.', '')}-{n}x{m}" for d, _, n, m in FUSED_LIMITS])
+def test_backward_around_the_one_pass_limit(device, dtype, pdtype, n, rows):
+    torch.manual_seed(13)
+    x = (torch.randn(rows, n, device=device) * 2 - 1).to(dtype)
+    w = (torch.randn(n, device=device) + 1).to(pdtype)
+    b = torch.randn(n, device=device).to(pdtype)
+    g = torch.randn(rows, n, device=device).to(dtype)
+    y, (dx, dw, db) = _run(lambda x, w, b: fused_layer_norm(x, n, w, b), x, w, b, g)
+    yr, (dxr, dwr, dbr) = _run(lambda x, w, b: F.layer_norm(x, (n,), w, b), x.double(), w.double(), b.double(),
+                               g.double())
+    # |y| reaches ~10 here: a few of 6M fp32 outputs are 2 ulps (~2e-6) off
+    torch.testing.assert_close(y, yr.to(dtype), **(tol(dtype) if dtype != torch.float32 else {"rtol": 1e-5, "atol": 1e-5}))
+    torch.testing.assert_close(dx, dxr.to(dtype), **_grads_tol(dtype))
+    # sums over up to 3000 rows of O(1) terms
+    sums_tol = _grads_tol(pdtype) if dtype == pdtype == torch.float64 else {"rtol": 1e-4, "atol": 2e-3}
+    torch.testing.assert_close(dw, dwr.to(pdtype), **sums_tol)
+    torch.testing.assert_close(db, dbr.to(pdtype), **sums_tol)
 
 
 @pytest.mark.parametrize("device", DEVICES)
