@@ -1,11 +1,15 @@
 // Fused Adam / AdamW step on CUDA: a multi-tensor kernel.
 //
-// One launch covers up to kMaxTensors tensors of one dtype: their device pointers, sizes and the
-// prefix sum of their chunk counts travel in the kernel-argument struct (no metadata copy, no host
-// sync). Each block takes chunks of `chunk_size` elements in a grid-stride loop and finds the chunk's
-// tensor by scanning the prefix sums (uniform across the block, served by the constant cache), so
-// one launch can cover any number of chunks. A group of T tensors takes ceil(T / kMaxTensors)
-// launches plus as many one-block launches that advance the step counters.
+// One update launch covers a dtype group of up to kMaxTensors tensors: their device pointers, sizes
+// and the prefix sum of their chunk counts travel in the kernel-argument struct (no metadata copy, no
+// host sync). Each block takes chunks of `chunk_size` elements in a grid-stride loop and finds a
+// chunk's tensor by binary search over the prefix sums (uniform across the block, served by the
+// constant cache), so one launch covers any number of chunks. With CUDA >= 12.1, a driver >= 530 and
+// Volta or newer, kernels may take 32 KB of arguments and kMaxTensors is several hundred: one launch
+// per dtype for any real model. Otherwise the 4 KB limit allows 32 tensors a launch.
+//
+// The update kernels take `*step + 1` as the step of the bias corrections; one advance kernel after
+// all of them (same stream) increments every step counter of every dtype.
 //
 // found_inf and grad_scale are read from device memory: a non-zero found_inf returns before any
 // write, so a skipped step never waits for the host. All sizes and offsets are int64.
@@ -18,25 +22,56 @@
 
 #include "fused_adam_host.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
 namespace accel {
 namespace {
 
-constexpr int kMaxTensors = 32;   // keeps TensorListMeta ~2 KB, well under the 4 KB argument limit
 constexpr int kThreads = 256;
-constexpr int kILP = 4;           // elements per thread per iteration: 16-byte loads for fp32
 
+// Kernel-argument capacity. 4 KB is the classic limit; CUDA 12.1 raised it to 32764 bytes on Volta
+// and newer with a driver >= 530. A binary built against 12.1+ may still meet an older driver
+// (minor-version compatibility), so both capacities are built and the driver version picks one at
+// run time. A pre-Volta target cannot compile a kernel with large arguments at all: when any
+// compiled architecture is older, the "large" capacities equal the small ones.
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010 && defined(__CUDA_ARCH_LIST__)
+constexpr int kCompiledArchs[] = {__CUDA_ARCH_LIST__};
+constexpr bool all_volta_or_newer() {
+  for (const int arch : kCompiledArchs) {
+    if (arch < 700) return false;
+  }
+  return true;
+}
+constexpr bool kHaveLargeArgs = all_volta_or_newer();
+#else
+constexpr bool kHaveLargeArgs = false;
+#endif
+
+constexpr int kMaxTensorsSmall = 32;
+constexpr int kMaxStepsSmall = 480;
+constexpr int kMaxTensorsLarge = kHaveLargeArgs ? 480 : kMaxTensorsSmall;
+constexpr int kMaxStepsLarge = kHaveLargeArgs ? 3968 : kMaxStepsSmall;
+
+// The non-empty tensors of one update launch, all of one dtype (64 bytes a tensor).
+template <int N>
 struct TensorListMeta {
-  void* p[kMaxTensors];
-  const void* g[kMaxTensors];
-  void* m[kMaxTensors];
-  void* v[kMaxTensors];
-  void* vm[kMaxTensors];
-  float* step[kMaxTensors];
-  int64_t numel[kMaxTensors];
-  int64_t chunk_start[kMaxTensors + 1];  // chunk_start[t]: first chunk of tensor t; [n]: total
+  void* p[N];
+  const void* g[N];
+  void* m[N];
+  void* v[N];
+  void* vm[N];
+  const float* step[N];
+  int64_t numel[N];
+  int64_t chunk_start[N + 1];  // chunk_start[t]: first chunk of tensor t; [n]: total
+  int n;
+};
+
+// The step counters of one advance launch.
+template <int N>
+struct StepList {
+  float* step[N];
   int n;
 };
 
@@ -52,30 +87,87 @@ struct AdamArgs {
   bool amsgrad;
 };
 
+// Bytes of kernel parameters (A, B), with the padding between them.
+template <typename A, typename B>
+constexpr size_t args_bytes() {
+  return (sizeof(A) + alignof(B) - 1) / alignof(B) * alignof(B) + sizeof(B);
+}
+static_assert(args_bytes<TensorListMeta<kMaxTensorsSmall>, AdamArgs>() <= 4000, "update args exceed 4 KB");
+static_assert(args_bytes<StepList<kMaxStepsSmall>, const float*>() <= 4000, "advance args exceed 4 KB");
+static_assert(args_bytes<TensorListMeta<kMaxTensorsLarge>, AdamArgs>() <= 32000, "update args exceed 32 KB");
+static_assert(args_bytes<StepList<kMaxStepsLarge>, const float*>() <= 32000, "advance args exceed 32 KB");
+
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
-template <typename P>
-__device__ __forceinline__ bool aligned_for(const void* ptr) {
-  return reinterpret_cast<uintptr_t>(ptr) % (sizeof(P) * kILP) == 0;
+__device__ __forceinline__ bool aligned16(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
 }
 
-// The per-element math is fused_adam_host::adam_element, the CPU kernel's own: both devices give
-// the same bits (its rounding sequence is pinned against FMA contraction).
-template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMeta meta, const AdamArgs a) {
+// N elements between registers and a 16-byte-aligned address, in 16-byte accesses (two of them for
+// the fp32 state of 8 half/bfloat16 params: a 32-byte Pack would assume an alignment that views of
+// allocations do not have).
+template <typename X, int N>
+__device__ __forceinline__ void load16(X (&r)[N], const X* src) {
+  constexpr int kPiece = 16 / sizeof(X);
+  static_assert(N % kPiece == 0, "whole 16-byte pieces only");
+#pragma unroll
+  for (int i = 0; i < N / kPiece; ++i) {
+    const Pack<X, kPiece> piece = reinterpret_cast<const Pack<X, kPiece>*>(src)[i];
+#pragma unroll
+    for (int j = 0; j < kPiece; ++j) r[i * kPiece + j] = piece.v[j];
+  }
+}
+
+template <typename X, int N>
+__device__ __forceinline__ void store16(X* dst, const X (&r)[N]) {
+  constexpr int kPiece = 16 / sizeof(X);
+  static_assert(N % kPiece == 0, "whole 16-byte pieces only");
+#pragma unroll
+  for (int i = 0; i < N / kPiece; ++i) {
+    Pack<X, kPiece> piece;
+#pragma unroll
+    for (int j = 0; j < kPiece; ++j) piece.v[j] = r[i * kPiece + j];
+    reinterpret_cast<Pack<X, kPiece>*>(dst)[i] = piece;
+  }
+}
+
+// One Adam step over the chunks of up to N tensors of one dtype. The per-element math is
+// fused_adam_host::adam_element, the CPU kernel's own: both devices give the same bits (its
+// rounding sequence is pinned against FMA contraction).
+//
+// Assumptions:
+//  - blockDim == (kThreads, 1, 1) (the launch bounds).
+//  - Any gridDim.x >= 1: blocks take chunks in a grid-stride loop. Chunk c belongs to the tensor t
+//    with chunk_start[t] <= c < chunk_start[t + 1] and covers its elements from
+//    (c - chunk_start[t]) * chunk_size on, at most chunk_size of them.
+//  - meta.n >= 1, chunk_start[0] == 0 and chunk_start is non-decreasing.
+//  - No alignment: a chunk whose p, g, m, v (and vm) are all 16-byte aligned takes 16-byte accesses,
+//    16 / sizeof(scalar_t) elements a thread and iteration; any other chunk the scalar loop.
+//  - *step[t] holds the count before this step: the advance kernel, launched after every update
+//    kernel on the same stream, increments it.
+template <typename scalar_t, int N>
+__global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMeta<N> meta, const AdamArgs a) {
   using T = at::opmath_type<scalar_t>;
   using fused_adam_host::adam_element;
+  // 16 bytes of p and g per thread and iteration; the state (T) takes one or two 16-byte pieces.
+  constexpr int kVec = 16 / sizeof(scalar_t);
+  static_assert(kVec * sizeof(T) % 16 == 0, "the state is read in whole 16-byte pieces");
   if (a.found_inf != nullptr && *a.found_inf != 0.f) return;
   const bool coupled = a.h.coupled();
   const double lr = a.lr_ptr != nullptr ? *a.lr_ptr : a.lr;
   const double scale = a.grad_scale != nullptr ? static_cast<double>(*a.grad_scale) : 1.0;
   const int64_t total = meta.chunk_start[meta.n];
-  int t = 0;  // a block's chunks only grow, so the tensor search resumes where it stopped
   for (int64_t chunk = blockIdx.x; chunk < total; chunk += gridDim.x) {
-    while (chunk >= meta.chunk_start[t + 1]) ++t;
+    // The chunk's tensor by binary search: O(log n) a chunk, however many tensors the launch has.
+    int t = 0;
+    for (int hi = meta.n - 1; t < hi;) {
+      const int mid = (t + hi + 1) / 2;
+      if (meta.chunk_start[mid] <= chunk) t = mid;
+      else hi = mid - 1;
+    }
     const int64_t begin = (chunk - meta.chunk_start[t]) * a.chunk_size;
     const int64_t n = min(a.chunk_size, meta.numel[t] - begin);
     scalar_t* p = static_cast<scalar_t*>(meta.p[t]) + begin;
@@ -83,35 +175,36 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
     T* m = static_cast<T*>(meta.m[t]) + begin;
     T* v = static_cast<T*>(meta.v[t]) + begin;
     T* vm = a.amsgrad ? static_cast<T*>(meta.vm[t]) + begin : nullptr;
+    // torch increments the count before the bias corrections; the counter itself advances later.
     const fused_adam_host::Coeffs<T> c =
-        fused_adam_host::coeffs_for<T>(a.h, lr, scale, static_cast<double>(*meta.step[t]));
+        fused_adam_host::coeffs_for<T>(a.h, lr, scale, static_cast<double>(*meta.step[t] + 1.f));
 
-    // 16-byte accesses (8 for half/bfloat16 params) when every pointer of the chunk allows them;
-    // a chunk of a view that starts mid-vector takes the scalar loop below for all its elements.
-    const bool vec = aligned_for<scalar_t>(p) && aligned_for<scalar_t>(g) && aligned_for<T>(m) &&
-                     aligned_for<T>(v) && (vm == nullptr || aligned_for<T>(vm));
+    // A chunk of a view that starts mid-vector takes the scalar loop below for all its elements.
+    const bool vec = aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) && (vm == nullptr || aligned16(vm));
     int64_t done = 0;
     if (vec) {
-      const int64_t packs = n / kILP;
+      const int64_t packs = n / kVec;
       for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
-        Pack<scalar_t, kILP> pp = reinterpret_cast<const Pack<scalar_t, kILP>*>(p)[k];
-        const Pack<scalar_t, kILP> gp = reinterpret_cast<const Pack<scalar_t, kILP>*>(g)[k];
-        Pack<T, kILP> mp = reinterpret_cast<const Pack<T, kILP>*>(m)[k];
-        Pack<T, kILP> vp = reinterpret_cast<const Pack<T, kILP>*>(v)[k];
-        Pack<T, kILP> xp{};
-        if (vm != nullptr) xp = reinterpret_cast<const Pack<T, kILP>*>(vm)[k];
+        const int64_t i = k * kVec;
+        scalar_t pr[kVec], gr[kVec];
+        T mr[kVec], vr[kVec], xr[kVec] = {};
+        load16(pr, p + i);
+        load16(gr, g + i);
+        load16(mr, m + i);
+        load16(vr, v + i);
+        if (vm != nullptr) load16(xr, vm + i);
 #pragma unroll
-        for (int j = 0; j < kILP; ++j) {
-          T pj = static_cast<T>(pp.v[j]);
-          adam_element<T>(pj, static_cast<T>(gp.v[j]), mp.v[j], vp.v[j], xp.v[j], c, a.amsgrad, coupled);
-          pp.v[j] = static_cast<scalar_t>(pj);
+        for (int j = 0; j < kVec; ++j) {
+          T pj = static_cast<T>(pr[j]);
+          adam_element<T>(pj, static_cast<T>(gr[j]), mr[j], vr[j], xr[j], c, a.amsgrad, coupled);
+          pr[j] = static_cast<scalar_t>(pj);
         }
-        reinterpret_cast<Pack<scalar_t, kILP>*>(p)[k] = pp;
-        reinterpret_cast<Pack<T, kILP>*>(m)[k] = mp;
-        reinterpret_cast<Pack<T, kILP>*>(v)[k] = vp;
-        if (vm != nullptr) reinterpret_cast<Pack<T, kILP>*>(vm)[k] = xp;
+        store16(p + i, pr);
+        store16(m + i, mr);
+        store16(v + i, vr);
+        if (vm != nullptr) store16(vm + i, xr);
       }
-      done = packs * kILP;
+      done = packs * kVec;
     }
     for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
       T pi = static_cast<T>(p[i]);
@@ -126,14 +219,69 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
   }
 }
 
-// Runs before the update kernel of the same tensors (same stream), which reads the new count.
-__global__ void advance_steps_kernel(const TensorListMeta meta, const float* found_inf) {
+// Increments the step counters of a whole fused_adam_step call, every dtype at once.
+//
+// Assumptions:
+//  - One thread a counter: 1-D blocks and grid with blockDim.x * gridDim.x >= list.n; extra
+//    threads do nothing.
+//  - Launched after every update kernel that reads these counters, on the same stream.
+//  - The counters are distinct tensors (one increment each, no atomics).
+template <int N>
+__global__ void __launch_bounds__(kThreads) advance_steps_kernel(const StepList<N> list, const float* found_inf) {
   if (found_inf != nullptr && *found_inf != 0.f) return;
-  const int i = threadIdx.x;
-  if (i < meta.n) *meta.step[i] += 1.f;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < list.n) *list.step[i] += 1.f;
+}
+
+// Whether kernels with up to 32 KB of arguments can launch here (see kHaveLargeArgs).
+bool large_args_ok() {
+  if (!kHaveLargeArgs) return false;
+  static const bool driver_ok = [] {
+    int version = 0;
+    return cudaDriverGetVersion(&version) == cudaSuccess && version >= 12010;
+  }();
+  return driver_ok && at::cuda::getCurrentDeviceProperties()->major >= 7;
 }
 
 using namespace fused_adam_host;
+
+// The update launches of one dtype group: `idx` lists its non-empty tensors, N a launch.
+template <int N>
+void launch_updates(at::ScalarType dt, const std::vector<size_t>& idx, const std::vector<Work>& work,
+                    const std::vector<float*>& steps, const AdamArgs& a, int64_t max_blocks, cudaStream_t stream) {
+  for (size_t i = 0; i < idx.size();) {
+    TensorListMeta<N> meta{};
+    for (; i < idx.size() && meta.n < N; ++i) {
+      const Work& w = work[idx[i]];
+      const int k = meta.n++;
+      meta.p[k] = w.p.data_ptr();
+      meta.g[k] = w.g.const_data_ptr();
+      meta.m[k] = w.m.data_ptr();
+      meta.v[k] = w.v.data_ptr();
+      meta.vm[k] = a.amsgrad ? w.vm.data_ptr() : nullptr;
+      meta.step[k] = steps[idx[i]];
+      meta.numel[k] = w.p.numel();
+      meta.chunk_start[k + 1] = meta.chunk_start[k] + (w.p.numel() + a.chunk_size - 1) / a.chunk_size;
+    }
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(meta.chunk_start[meta.n], max_blocks));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "fused_adam_step_cuda", [&] {
+      fused_adam_kernel<scalar_t, N><<<blocks, kThreads, 0, stream>>>(meta, a);
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// Advances every step counter, N a launch: one launch for any real model.
+template <int N>
+void launch_advance(const std::vector<float*>& steps, const float* found_inf, cudaStream_t stream) {
+  for (size_t i = 0; i < steps.size();) {
+    StepList<N> list{};
+    for (; i < steps.size() && list.n < N; ++i) list.step[list.n++] = steps[i];
+    const unsigned blocks = static_cast<unsigned>((list.n + kThreads - 1) / kThreads);
+    advance_steps_kernel<N><<<blocks, kThreads, 0, stream>>>(list, found_inf);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
 
 void fused_adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                           at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps,
@@ -178,40 +326,25 @@ void fused_adam_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
 
   // Strided tensors go through contiguous copies written back at the end.
   const std::vector<Work> work = make_work(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad);
+  std::vector<float*> step_ptrs(n);
+  for (size_t i = 0; i < n; ++i) step_ptrs[i] = steps[i].mutable_data_ptr<float>();
 
   auto stream = at::cuda::getCurrentCUDAStream();
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t max_blocks = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * int64_t(8);
+  const bool large = large_args_ok();
   const at::ScalarType dtypes[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble};
   for (const auto dt : dtypes) {
-    size_t i = 0;
-    while (i < n) {
-      TensorListMeta meta{};
-      meta.chunk_start[0] = 0;
-      for (; i < n && meta.n < kMaxTensors; ++i) {
-        if (params[i].scalar_type() != dt) continue;
-        const Work& w = work[i];
-        const int k = meta.n++;
-        meta.p[k] = w.p.data_ptr();
-        meta.g[k] = w.g.const_data_ptr();
-        meta.m[k] = w.m.data_ptr();
-        meta.v[k] = w.v.data_ptr();
-        meta.vm[k] = amsgrad ? w.vm.data_ptr() : nullptr;
-        meta.step[k] = steps[i].mutable_data_ptr<float>();
-        meta.numel[k] = w.p.numel();
-        meta.chunk_start[k + 1] = meta.chunk_start[k] + (w.p.numel() + chunk_size - 1) / chunk_size;
-      }
-      if (meta.n == 0) break;
-      advance_steps_kernel<<<1, kMaxTensors, 0, stream>>>(meta, a.found_inf);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      const int64_t total = meta.chunk_start[meta.n];
-      if (total == 0) continue;  // only empty tensors: their steps still advance, as in torch
-      const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(total, sms * 8));
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "fused_adam_step_cuda", [&] {
-        fused_adam_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(meta, a);
-      });
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    std::vector<size_t> idx;  // empty tensors have no chunks; only their steps advance, as in torch
+    for (size_t i = 0; i < n; ++i) {
+      if (params[i].scalar_type() == dt && params[i].numel() > 0) idx.push_back(i);
     }
+    if (idx.empty()) continue;
+    if (large) launch_updates<kMaxTensorsLarge>(dt, idx, work, step_ptrs, a, max_blocks, stream);
+    else launch_updates<kMaxTensorsSmall>(dt, idx, work, step_ptrs, a, max_blocks, stream);
   }
+  // After every update launch, which read the counts before this step.
+  if (large) launch_advance<kMaxStepsLarge>(step_ptrs, a.found_inf, stream);
+  else launch_advance<kMaxStepsSmall>(step_ptrs, a.found_inf, stream);
 
   write_back(work, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad);
 }

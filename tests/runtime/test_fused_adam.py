@@ -114,7 +114,7 @@ def test_reduced_precision_params_round_once_from_fp32(device, dtype, ours_cls, 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_mixed_dtypes_and_many_tensors_in_one_group(device):
-    # More tensors than one CUDA launch carries (32), and several dtypes in one group.
+    # More tensors than a CUDA launch with 4 KB of arguments carries (32), and several dtypes in one group.
     shapes = [(n % 9 + 1, 3) for n in range(70)]
     a = _params(device, shapes=shapes)
     for k in range(0, 70, 3):
@@ -378,15 +378,16 @@ def test_sparse_grad_is_rejected_and_nothing_changes():
         opt.step(found_inf=1.0)
 
 
-def _kernel_run(device, dtype, views, *, steps=3, chunk_size=5, **kw):
+def _kernel_run(device, dtype, views, *, steps=3, chunk_size=5, skip=(), **kw):
     """fused_adam_step over `views(device)` (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq lists
-    built from the same seeded values on every device); returns every tensor, on the CPU."""
+    built from the same seeded values on every device); the steps numbered in `skip` get found_inf=1.
+    Returns every tensor, on the CPU."""
     ps, gs, ms, vs, xs = views(device, dtype)
     st = [torch.zeros((), device=device) for _ in ps]
     scale = torch.tensor(4.0, device=device)
     for k in range(steps):
         fused_adam_step(ps, [g * (k + 1) for g in gs], ms, vs, xs, st, chunk_size=chunk_size, grad_scale=scale,
-                        found_inf=torch.zeros((), device=device), **kw)
+                        found_inf=torch.tensor(float(k in skip), device=device), **kw)
     return [t.cpu() for t in ps + ms + vs + xs + st]
 
 
@@ -405,6 +406,49 @@ def _awkward_views(device, dtype):
         return [t.abs() for t in out] if positive else out
 
     return lists(dtype), lists(dtype), lists(sdt), lists(sdt, True), lists(sdt, True)
+
+
+def _many_views(count):
+    """`views` for _kernel_run: `count` small tensors of mixed fp32/bf16/fp16 dtypes (mostly fp32, the
+    dtype argument is ignored) with odd sizes, empty ones, transposed ones, and views that start 1, 4
+    or 8 elements into their allocation, chosen per list so that a chunk's pointers are aligned in
+    some tensors and not in others."""
+    def views(device, _dtype):
+        gen = torch.Generator().manual_seed(5)
+        out = ([], [], [], [], [])
+        for k in range(count):
+            dt = {1: torch.bfloat16, 4: torch.float16}.get(k % 7, torch.float32)
+            numel = 0 if k % 13 == 0 else (k * 37) % 301
+            for j, lst in enumerate(out):
+                ldt = dt if j < 2 else torch.float32
+                if k % 17 == 5:  # a transposed 2-D tensor: a strided one
+                    t = torch.randn((numel % 7 + 1, 3), generator=gen).to(device=device, dtype=ldt).t()
+                else:
+                    offset = (0, 0, 1, 4, 8)[(k * 7 + j * 3) % 5]
+                    t = torch.randn(offset + numel, generator=gen).to(device=device, dtype=ldt)[offset:]
+                lst.append(t.abs() if j >= 3 else t)  # exp_avg_sq and max_exp_avg_sq are >= 0
+        return out
+    return views
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_many_tensors_mixed_dtypes_equal_cpu_kernel():
+    # More tensors than one launch carries, for both argument sizes (480 or 32 tensors a dtype per
+    # update launch, 3968 or 480 step counters per advance launch): 4000 tensors, ~2800 of them fp32.
+    # Chunks of 8 elements: on CUDA one 16-byte pack of a bf16/fp16 chunk (two of fp32) where the
+    # tensor's pointers allow it, the scalar loop where not; on the CPU always the scalar loop, which
+    # test_cuda_kernel_equals_cpu_kernel pins to the CUDA kernel's bits. Step 2 is skipped with
+    # found_inf=1 on the device; params, state and step counters (list order of _kernel_run: params,
+    # exp_avg, exp_avg_sq, max_exp_avg_sq, steps) must equal the CPU kernel's bit for bit.
+    kw = dict(lr=torch.tensor(1e-2), beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=True,
+              maximize=False, decoupled_weight_decay=True)
+    views = _many_views(4000)
+    cpu = _kernel_run("cpu", None, views, steps=4, chunk_size=8, skip=(2,), **kw)
+    cuda = _kernel_run("cuda", None, views, steps=4, chunk_size=8, skip=(2,), **kw)
+    assert len(cpu) == len(cuda) == 5 * 4000
+    for k, (c, g) in enumerate(zip(cpu, cuda)):
+        assert g.dtype == c.dtype and torch.equal(g, c), f"tensor {k % 4000} of list {k // 4000}"
+    assert all(s.item() == 3.0 for s in cuda[-4000:])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
