@@ -21,5 +21,22 @@ inline void check_p(double p) {
   TORCH_CHECK(p >= 0.0 && p <= 1.0, "bias_dropout_add: p must be in [0, 1], got ", p);
 }
 
+inline void check_bwd_args(const at::Tensor& grad, const at::Tensor& rng_state, double p, bool bias_grad) {
+  check_p(p);
+  TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.numel() == 2,
+              "bias_dropout_add_bwd: rng_state must be 2 int64 values");
+  TORCH_CHECK(!bias_grad || grad.dim() >= 1, "bias_dropout_add_bwd: bias_grad needs a grad with a last dim");
+}
+
+// The bias gradient from a dx (or from the output's gradient when nothing is dropped): dx summed over
+// every dim but the last, accumulated in fp32 for fp16/bf16, in dx's dtype. No reshape to (-1, cols),
+// which has no answer for zero columns; sizes stay symbolic (torch.compile traces the C++ gradient that
+// calls this with dynamic shapes).
+inline at::Tensor sum_rows(const at::Tensor& dx) {
+  const auto acc = dx.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor rows = dx.dim() == 1 ? dx.unsqueeze(0) : dx.flatten(0, -2);
+  return rows.sum({0}, false, acc).to(dx.scalar_type());
+}
+
 }  // namespace bias_dropout_add_host
 }  // namespace accel

@@ -12,6 +12,7 @@
 
 #include "autograd/backward_guard.h"
 #include "autograd/python_entry.h"
+#include "bias_dropout_add_host.h"
 #include <torch/library.h>
 #include <torch/types.h>
 
@@ -30,11 +31,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_op(const at::Tensor& x, const c10::option
   return op.call(x, bias, residual, p, train);
 }
 
-at::Tensor bwd_op(const at::Tensor& grad, const at::Tensor& rng_state, double p) {
+std::tuple<at::Tensor, at::Tensor> bwd_op(const at::Tensor& grad, const at::Tensor& rng_state, double p,
+                                          bool bias_grad) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("accel::bias_dropout_add_bwd", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
-  return op.call(grad, rng_state, p);
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double, bool)>();
+  return op.call(grad, rng_state, p, bias_grad);
 }
 
 class BiasDropoutAddFunction : public torch::autograd::Function<BiasDropoutAddFunction> {
@@ -63,19 +65,16 @@ class BiasDropoutAddFunction : public torch::autograd::Function<BiasDropoutAddFu
     at::Tensor grad_x, grad_bias;
     if (need_dx || need_dbias) {
       if (ctx->saved_data["dropout"].toBool()) {
+        // the op sums dbias in the pass that writes dx (on CUDA; one read of grad instead of two)
         const at::Tensor rng_state = ctx->get_saved_variables()[0];
         BackwardOpGuard guard;  // below autograd unless create_graph
-        grad_x = bwd_op(grad_out, rng_state, ctx->saved_data["p"].toDouble());
+        std::tie(grad_x, grad_bias) = bwd_op(grad_out, rng_state, ctx->saved_data["p"].toDouble(), need_dbias);
       } else {
         grad_x = grad_out;
+        if (need_dbias) grad_bias = bias_dropout_add_host::sum_rows(grad_out);
       }
     }
-    if (need_dbias) {
-      // accumulate in fp32 for fp16/bf16: the sum runs over every row (symbolic sizes: torch.compile
-      // traces this with dynamic shapes)
-      const auto acc = grad_x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-      grad_bias = grad_x.reshape_symint({-1, grad_x.sym_size(-1)}).sum({0}, false, acc).to(grad_x.scalar_type());
-    }
+    if (!need_dbias) grad_bias = at::Tensor();
     return {need_dx ? grad_x : at::Tensor(), grad_bias, need_dres ? grad_out : at::Tensor(), at::Tensor(),
             at::Tensor()};
   }

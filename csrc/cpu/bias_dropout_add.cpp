@@ -343,13 +343,8 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_add_fwd_cpu(const at::Tensor& x,
   return {out, rng_state};
 }
 
-// grad_x = grad * keep * scale, the mask regenerated from rng_state. grad_residual is grad itself
-// and grad_bias its sum over the leading dims; the Python side does both.
-at::Tensor bias_dropout_add_bwd_cpu(const at::Tensor& grad_, const at::Tensor& rng_state, double p) {
-  check_p(p);
-  TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.numel() == 2,
-              "bias_dropout_add_bwd: rng_state must be 2 int64 values");
-  auto grad = grad_.contiguous();
+// grad * keep * scale, the mask regenerated from rng_state (grad contiguous).
+at::Tensor dropout_grad(const at::Tensor& grad, const at::Tensor& rng_state, double p) {
   auto dx = at::empty_like(grad);
   const int64_t n = grad.numel();
   if (n == 0) return dx;
@@ -378,6 +373,16 @@ at::Tensor bias_dropout_add_bwd_cpu(const at::Tensor& grad_, const at::Tensor& r
   return dx;
 }
 
+// dx = grad * keep * scale, the mask regenerated from rng_state, and, when bias_grad, dbias = dx summed over
+// every dim but the last (else an empty tensor). grad_residual is grad itself; the caller takes it.
+std::tuple<at::Tensor, at::Tensor> bias_dropout_add_bwd_cpu(const at::Tensor& grad_, const at::Tensor& rng_state,
+                                                            double p, bool bias_grad) {
+  check_bwd_args(grad_, rng_state, p, bias_grad);
+  auto grad = grad_.contiguous();
+  const at::Tensor dx = dropout_grad(grad, rng_state, p);
+  return {dx, bias_grad ? sum_rows(dx) : at::empty({0}, grad.options())};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(accel, m) {
@@ -385,7 +390,8 @@ TORCH_LIBRARY_FRAGMENT(accel, m) {
   // deduplicate nor recompute it.
   m.def("bias_dropout_add_fwd(Tensor x, Tensor? bias, Tensor residual, float p, bool train) -> (Tensor, Tensor)",
         {at::Tag::nondeterministic_seeded});
-  m.def("bias_dropout_add_bwd(Tensor grad, Tensor rng_state, float p) -> Tensor");
+  // (dx, dbias): dbias is dx summed over every dim but the last when bias_grad, else an empty tensor
+  m.def("bias_dropout_add_bwd(Tensor grad, Tensor rng_state, float p, bool bias_grad) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(accel, CPU, m) {

@@ -27,11 +27,13 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <initializer_list>
 #include <mutex>
 #include <type_traits>
 
 #include "bias_dropout_add_host.h"
+#include "cuda/column_sum.cuh"
 
 namespace accel {
 namespace {
@@ -158,6 +160,60 @@ __global__ void bias_dropout_add_bwd_kernel(const scalar_t* __restrict__ grad, s
   }
 }
 
+// The backward with the bias gradient in the same pass: grad viewed as [rows, cols] (cols % 4 == 0, every
+// pointer 16-byte aligned), block (kBiasVecs, kBiasRows) over kBiasVecs 4-column groups and one chunk of
+// rows (blockIdx.y). Each thread writes dx for its group down the chunk's rows and sums the stored (rounded)
+// dx values per column in opmath; the block adds its kBiasRows sums in order into partial[chunk][col], and
+// column_sum.cuh adds the chunks in order: dbias = the sum of dx over the rows, deterministic, with no
+// second read of dx. The mask is the one of the element index, as in every kernel here (cols % 4 == 0
+// keeps each Philox group of 4 elements within a row).
+// Assumptions: blockDim = (kBiasVecs, kBiasRows); gridDim = (ceil(cols / 4 / kBiasVecs), chunks);
+// rows_per_chunk * gridDim.y >= rows.
+constexpr int kBiasVecs = 32;
+constexpr int kBiasRows = 8;
+
+template <typename scalar_t>
+__global__ void bias_dropout_add_bwd_bias_kernel(const scalar_t* __restrict__ grad, scalar_t* __restrict__ dx,
+                                                 at::opmath_type<scalar_t>* __restrict__ partial, int64_t rows,
+                                                 int64_t cols, int64_t rows_per_chunk,
+                                                 const int64_t* __restrict__ rng_state, Keep keep) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  __shared__ opmath_t sums[kBiasRows][4 * kBiasVecs + 1];
+  const uint64_t seed = static_cast<uint64_t>(rng_state[0]);
+  const uint64_t counter = static_cast<uint64_t>(rng_state[1]);
+  const opmath_t scale = static_cast<opmath_t>(keep.scale);
+  const int64_t groups_per_row = cols / 4;
+  const int64_t cg = (int64_t)blockIdx.x * kBiasVecs + threadIdx.x;  // this thread's 4-column group
+  const int64_t r0 = (int64_t)blockIdx.y * rows_per_chunk;
+  const int64_t r1 = min(rows, r0 + rows_per_chunk);
+  opmath_t acc[4] = {0, 0, 0, 0};
+  if (cg < groups_per_row) {
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kBiasRows) {
+      const int64_t blk = r * groups_per_row + cg;
+      opmath_t mult[4];
+      keep_multipliers(seed, counter, blk, keep.threshold, scale, mult);
+      scalar_t gv[4], ov[4];
+      load4<scalar_t, true>(grad, blk, 0, gv);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        ov[k] = static_cast<scalar_t>(static_cast<opmath_t>(gv[k]) * mult[k]);
+        acc[k] += static_cast<opmath_t>(ov[k]);
+      }
+      store4<scalar_t, true>(dx, blk, 0, ov);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) sums[threadIdx.y][4 * threadIdx.x + k] = acc[k];
+  __syncthreads();
+  if (threadIdx.y != 0 || cg >= groups_per_row) return;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    opmath_t sum = acc[k];
+    for (int i = 1; i < kBiasRows; ++i) sum += sums[i][4 * threadIdx.x + k];
+    partial[(int64_t)blockIdx.y * cols + 4 * cg + k] = sum;
+  }
+}
+
 constexpr int kThreads = 256;
 
 // Enough blocks to fill every SM several times over; the grid-stride loop takes the rest.
@@ -243,29 +299,56 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_add_fwd_cuda(const at::Tensor& x
   return {out, rng_state};
 }
 
-at::Tensor bias_dropout_add_bwd_cuda(const at::Tensor& grad_, const at::Tensor& rng_state_, double p) {
-  check_p(p);
-  TORCH_CHECK(rng_state_.scalar_type() == at::kLong && rng_state_.numel() == 2,
-              "bias_dropout_add_bwd: rng_state must be 2 int64 values");
+// Returns (dx, dbias): dbias = dx summed over every dim but the last, in grad's dtype, when bias_grad
+// (else an empty tensor). Both in one pass where the rows allow it (bias_dropout_add_bwd_bias_kernel);
+// otherwise dx, then the shared row sum.
+std::tuple<at::Tensor, at::Tensor> bias_dropout_add_bwd_cuda(const at::Tensor& grad_, const at::Tensor& rng_state_,
+                                                             double p, bool bias_grad) {
+  check_bwd_args(grad_, rng_state_, p, bias_grad);
   c10::cuda::CUDAGuard guard(grad_.device());
   auto grad = grad_.contiguous();
   auto rng_state = rng_state_.to(grad.device()).contiguous();
   auto dx = at::empty_like(grad);
   const int64_t n = grad.numel();
-  if (n == 0) return dx;
-  const int64_t grid = grid_for((n + 3) / 4);
+  const int64_t cols = bias_grad ? grad.size(-1) : 1;
   const Keep keep{keep_threshold(p), keep_scale(p)};
   auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor dbias;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "bias_dropout_add_bwd_cuda", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
     const scalar_t* gp = grad.const_data_ptr<scalar_t>();
     scalar_t* dp = dx.mutable_data_ptr<scalar_t>();
-    with_bool(vectorizable<scalar_t>(n, {gp, dp}), [&](auto kVec) {
+    const bool vec = vectorizable<scalar_t>(n, {gp, dp});
+    if (bias_grad && n > 0 && vec && cols % 4 == 0) {
+      const int64_t rows = n / cols;
+      const int64_t col_tiles = (cols / 4 + kBiasVecs - 1) / kBiasVecs;
+      // enough blocks to fill every SM several times over, each chunk at least 4 rows a thread
+      const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+      int64_t chunks = std::min<int64_t>({(sms * 8 + col_tiles - 1) / col_tiles, (rows + 4 * kBiasRows - 1) / (4 * kBiasRows), 65535});
+      chunks = std::max<int64_t>(chunks, 1);
+      const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
+      chunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
+      TORCH_CHECK(col_tiles <= 0x7fffffff, "bias_dropout_add_bwd: ", cols, " columns are too many");
+      auto partial = at::empty({chunks, cols}, grad.options().dtype(c10::CppTypeToScalarType<opmath_t>::value));
+      bias_dropout_add_bwd_bias_kernel<scalar_t><<<dim3((unsigned)col_tiles, (unsigned)chunks), dim3(kBiasVecs, kBiasRows), 0,
+                                                   stream>>>(gp, dp, partial.mutable_data_ptr<opmath_t>(), rows, cols,
+                                                             rows_per_chunk, rng_state.const_data_ptr<int64_t>(), keep);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      dbias = at::empty({cols}, grad.options());
+      column_sum::launch<opmath_t, scalar_t>(partial.const_data_ptr<opmath_t>(), chunks, cols, cols,
+                                             dbias.mutable_data_ptr<scalar_t>(), nullptr, stream);
+      return;
+    }
+    if (n == 0) return;
+    const int64_t grid = grid_for((n + 3) / 4);
+    with_bool(vec, [&](auto kVec) {
       bias_dropout_add_bwd_kernel<scalar_t, decltype(kVec)::value><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
           gp, dp, n, rng_state.const_data_ptr<int64_t>(), keep);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  return dx;
+  if (!dbias.defined()) dbias = bias_grad ? sum_rows(dx) : at::empty({0}, grad.options());
+  return {dx, dbias};
 }
 
 }  // namespace

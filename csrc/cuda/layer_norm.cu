@@ -11,7 +11,7 @@
 // Backward, rows of up to 16 elements per thread of a 512-thread team (N <= 8192; 4096 in double): one
 // pass over x and dy. Each team keeps its part of the row in registers for dx and adds dy*xhat and dy
 // into per-thread dweight/dbias sums over all the rows it takes; a block then writes one fp32 row of
-// partial sums, and a second kernel sums those rows in a fixed order (deterministic, no atomics).
+// partial sums, and column_sum.cuh sums those rows in a fixed order (deterministic, no atomics).
 // Wider rows take two sweeps: the dx kernel, then per row-chunk partials of dweight/dbias.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -19,6 +19,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "cuda/column_sum.cuh"
 #include "layer_norm_host.h"
 
 #include <algorithm>
@@ -417,8 +418,9 @@ __global__ void __launch_bounds__(kFusedMaxThreads) layer_norm_bwd_fused_kernel(
   }
 }
 
-// Stage 1 of dweight/dbias: block (kCols, kRowThreads) sums rows [chunk*rows_per_chunk, +rows_per_chunk)
-// of kCols columns into partial[chunk][0 or 1][col].
+// Stage 1 of dweight/dbias for rows wider than the fused kernel takes: block (kCols, kRowThreads) sums rows
+// [chunk*rows_per_chunk, +rows_per_chunk) of kCols columns into partial[chunk][0 or 1][col]; stage 2 is
+// csrc/cuda/column_sum.cuh.
 constexpr int kCols = 32;
 constexpr int kRowThreads = 16;
 
@@ -453,29 +455,6 @@ __global__ void layer_norm_bwd_params_partial_kernel(const T* __restrict__ dy, c
     partial[((int64_t)blockIdx.y * 2) * N + col] = aw;
     partial[((int64_t)blockIdx.y * 2 + 1) * N + col] = ab;
   }
-}
-
-// Stage 2 (both paths): dweight/dbias[c] = the sum over k of partial[k][0 or 1][c], rounded to the params'
-// dtype. Block (kCols, kRowThreads) over kCols columns of one of the two (blockIdx.y): thread row ty adds
-// k = ty, ty + kRowThreads, ..., then row 0 adds the kRowThreads sums in order (deterministic). Rows of
-// partials are read in parallel: hundreds of them (one per block of the fused kernel) would otherwise be
-// a serial chain per column.
-// Assumptions: blockDim = (kCols, kRowThreads); gridDim = (ceil(N / kCols), 2).
-template <typename acc_t, typename P>
-__global__ void layer_norm_bwd_params_final_kernel(const acc_t* __restrict__ partial, P* __restrict__ dw,
-                                                   P* __restrict__ db, int64_t chunks, int64_t N) {
-  __shared__ acc_t sums[kRowThreads][kCols + 1];
-  P* out = blockIdx.y == 0 ? dw : db;
-  if (out == nullptr) return;  // uniform across the block
-  const int64_t col = (int64_t)blockIdx.x * kCols + threadIdx.x;
-  acc_t sum = 0;
-  if (col < N)
-    for (int64_t k = threadIdx.y; k < chunks; k += kRowThreads) sum += partial[(k * 2 + blockIdx.y) * N + col];
-  sums[threadIdx.y][threadIdx.x] = sum;
-  __syncthreads();
-  if (threadIdx.y != 0 || col >= N) return;
-  for (int i = 1; i < kRowThreads; ++i) sum += sums[i][threadIdx.x];
-  out[col] = static_cast<P>(sum);
 }
 
 inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -549,16 +528,6 @@ int64_t resident_blocks(int threads) {
 // cost 2 N fp32 writes and reads a block, against the rows' 3 N elements of traffic each.
 constexpr int64_t kFusedMinRowsPerTeam = 4;
 
-// Stage 2 over `chunks` rows of partial sums into the requested dweight/dbias.
-template <typename acc_t, typename P>
-void finish_params(const at::Tensor& partial, int64_t chunks, int64_t N, P* dwp, P* dbp, cudaStream_t stream) {
-  const int64_t col_tiles = (N + kCols - 1) / kCols;
-  TORCH_CHECK(col_tiles <= 0x7fffffff, "layer_norm_bwd: normalized size too large");
-  layer_norm_bwd_params_final_kernel<acc_t, P><<<dim3((unsigned)col_tiles, 2), dim3(kCols, kRowThreads), 0, stream>>>(
-      partial.const_data_ptr<acc_t>(), dwp, dbp, chunks, N);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 // The fused backward of M rows of N with teams of tpr threads: as many blocks as stay resident, fewer when
 // the rows are too few to give every team kFusedMinRowsPerTeam of them; then stage 2 when dweight or dbias
 // is asked for (dwp/dbp not null).
@@ -576,7 +545,7 @@ void bwd_fused(const BwdPtrs<T, P>& d, int64_t M, int64_t N, int tpr, P* dwp, P*
   kernel<<<(unsigned)blocks, tpr * rpb, 0, stream>>>(d.dy, d.x, d.mean, d.rstd, d.w, d.dx,
                                                       params ? partial.mutable_data_ptr<acc_t>() : nullptr, M, N, tpr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (params) finish_params<acc_t, P>(partial, blocks, N, dwp, dbp, stream);
+  if (params) column_sum::launch<acc_t, P>(partial.const_data_ptr<acc_t>(), blocks, 2 * N, N, dwp, dbp, stream);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
@@ -633,7 +602,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
                                               0, stream>>>(d.dy, d.x, d.mean, d.rstd, partial.mutable_data_ptr<acc_t>(), M, N,
                                                            rows_per_chunk);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    finish_params<acc_t, P>(partial, chunks, N, dwp, dbp, stream);
+    column_sum::launch<acc_t, P>(partial.const_data_ptr<acc_t>(), chunks, 2 * N, N, dwp, dbp, stream);
   });
   return {b.dx, b.dweight, b.dbias};
 }

@@ -11,7 +11,9 @@ from accel.runtime.nn.bias_dropout_add import bias_dropout_add_reference
 from ._autograd_probe import ACCEL_RUNTIME, LIBRARY, autograd_kernel, python_calls, ran
 from ._params import DEVICES, DTYPES, tol
 
-SHAPES = [(7,), (3, 1001), (2, 5, 129), (0, 4)]
+# On CUDA, rows of 4k elements take the backward that sums the bias gradient in its own pass: (2, 3, 128);
+# the others take dx, then a row sum.
+SHAPES = [(7,), (3, 1001), (2, 5, 129), (2, 3, 128), (0, 4)]
 
 
 def recover_mask(shape, p, seed, device):
@@ -230,13 +232,15 @@ def test_misaligned_views_match_aligned_copies(device, dtype):
     grad = torch.randn(n + 1, generator=g).to(device, dtype)[1:].view(shape)
     results = []
     for xs, rs, gs in ((x, residual, grad), (x.clone(), residual.clone(), grad.clone())):
-        xs = xs.detach().requires_grad_()
+        xs, bs = xs.detach().requires_grad_(), bias.detach().clone().requires_grad_()
         torch.manual_seed(4)
-        out = bias_dropout_add(xs, bias, rs, 0.4, True)
+        out = bias_dropout_add(xs, bs, rs, 0.4, True)
         out.backward(gs)
-        results.append((out.detach(), xs.grad))
+        results.append((out.detach(), xs.grad, bs.grad))
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
+    # the aligned copy sums the bias gradient in the dx pass (CUDA), the view after it: other orders
+    torch.testing.assert_close(results[0][2], results[1][2], **tol(dtype))
 
 
 CUDA = [pytest.param("cuda", marks=DEVICES[1].marks)]
@@ -269,7 +273,7 @@ def test_cuda_mask_is_the_cpu_mask_of_the_same_rng_state(device):
     n, p = 4099, 0.3
     torch.manual_seed(2)
     out, rng_state = _fwd_raw(torch.ones(n, device=device), None, torch.zeros(n, device=device), p)
-    cpu = _ops().bias_dropout_add_bwd(torch.ones(n), rng_state.cpu(), p)
+    cpu = _ops().bias_dropout_add_bwd(torch.ones(n), rng_state.cpu(), p, False)[0]
     assert torch.equal(out.cpu() != 0, cpu != 0)
     torch.testing.assert_close(out.cpu(), cpu)
 
@@ -285,6 +289,22 @@ def test_cuda_grid_stride_loop_keeps_the_bias_column(device):
     torch.manual_seed(12)
     out = bias_dropout_add(x, bias, residual, 0.2, True)
     torch.testing.assert_close(out, (residual + mask * (x + bias) / 0.8), **tol(torch.float32))
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
+def test_cuda_bias_gradient_summed_in_the_dx_pass(device, dtype):
+    # 5000 rows of 264 (66 groups of 4: the last 32-group block of columns is part empty) over several row
+    # chunks: dbias is the sum of the dx the op returns, within fp32 summation error
+    shape, p = (5000, 264), 0.2
+    x, bias, residual = (t.requires_grad_() for t in inputs(shape, dtype, device, seed=6))
+    torch.manual_seed(15)
+    out = bias_dropout_add(x, bias, residual, p, True)
+    mask = recover_mask(shape, p, seed=15, device=device)
+    g = torch.randn(shape, device=device).to(dtype)
+    gx, gb = torch.autograd.grad(out, (x, bias), g)
+    assert torch.equal(gx, (g.float() * (mask.float() * (1 / (1 - p)))).to(dtype))
+    torch.testing.assert_close(gb, gx.double().sum(0).to(dtype), rtol=tol(dtype)["rtol"], atol=1e-3)
 
 
 @pytest.mark.parametrize("device", CUDA)
@@ -307,7 +327,7 @@ def test_cuda_graph_replays_draw_new_masks(device):
         graph.replay()
         torch.cuda.synchronize()
         masks.append(out != 0)
-        cpu = _ops().bias_dropout_add_bwd(torch.ones(n), rng_state.cpu(), p)
+        cpu = _ops().bias_dropout_add_bwd(torch.ones(n), rng_state.cpu(), p, False)[0]
         assert torch.equal(masks[-1].cpu(), cpu != 0)
     assert not torch.equal(masks[0], masks[1])
 

@@ -148,10 +148,10 @@ def _bias_dropout_add_fwd(device, dtype, gen, *, bias=True, p=0.1, train=True):
     return x, b, residual, p, train
 
 
-def _bias_dropout_add_bwd(device, dtype, gen):
+def _bias_dropout_add_bwd(device, dtype, gen, *, bias_grad=False):
     x, b, residual, p, train = _bias_dropout_add_fwd(device, dtype, gen)
     _, rng_state = torch.ops.accel.bias_dropout_add_fwd(x.detach(), b.detach(), residual.detach(), p, train)
-    return _randn(x.shape, device, dtype, gen), rng_state, p
+    return _randn(x.shape, device, dtype, gen, requires_grad=bias_grad), rng_state, p, bias_grad
 
 
 def _boxes(n, device, dtype, gen):
@@ -248,6 +248,7 @@ CASES = [
     Case("bias_dropout_add_fwd", "no_bias", _bias_dropout_add_fwd, (F32,), {"bias": False}),
     Case("bias_dropout_add_fwd", "eval", _bias_dropout_add_fwd, (F32,), {"train": False}),
     Case("bias_dropout_add_bwd", "plain", _bias_dropout_add_bwd),
+    Case("bias_dropout_add_bwd", "bias_grad", _bias_dropout_add_bwd, (F32, BF16), {"bias_grad": True}),
     Case("nms", "plain", _nms),
     Case("nms", "scores_require_grad", _nms, (F32,), {"scores_grad": True}),
     Case("nms_soft", "gaussian", _nms_soft),

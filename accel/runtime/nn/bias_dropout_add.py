@@ -62,20 +62,33 @@ def _register():
         return torch.empty_like(x.contiguous()), torch.empty(2, dtype=torch.int64, device=x.device)
 
     torch.library.register_fake("accel::bias_dropout_add_fwd")(fake_fwd)
-    torch.library.register_fake("accel::bias_dropout_add_bwd")(
-        lambda grad, rng_state, p: torch.empty_like(grad.contiguous()))
+    def fake_bwd(grad, rng_state, p, bias_grad):
+        if bias_grad and grad.dim() == 0:
+            raise RuntimeError("bias_dropout_add_bwd: bias_grad needs a grad with a last dim")
+        dbias = grad.new_empty(grad.shape[-1:] if bias_grad else (0,))
+        return torch.empty_like(grad.contiguous()), dbias
 
-    # bias_dropout_add_bwd(g) = mask * g / (1 - p) is linear in g and scales each element by itself,
-    # so its gradient is the same op on the incoming gradient. Registered so that create_graph=True
-    # (double backward, gradient penalties) differentiates it rather than taking it as a constant.
+    torch.library.register_fake("accel::bias_dropout_add_bwd")(fake_bwd)
+
+    # bias_dropout_add_bwd(g) = (m * g, sum over rows of m * g), m = mask / (1 - p), is linear in g and
+    # scales each element by itself, so its gradient is the same op on the incoming gradients:
+    # m * (ggx + ggb broadcast over the rows). Registered so that create_graph=True (double backward,
+    # gradient penalties) differentiates it rather than taking it as a constant.
     def bwd_setup_context(ctx, inputs, output):
-        _grad, rng_state, p = inputs
+        grad, rng_state, p, _bias_grad = inputs
         ctx.p = float(p)
+        ctx.shape = grad.shape
         ctx.save_for_backward(rng_state)
 
-    def bwd_backward(ctx, grad_dx):
+    def bwd_backward(ctx, grad_dx, grad_dbias):
         (rng_state,) = ctx.saved_tensors
-        return torch.ops.accel.bias_dropout_add_bwd(grad_dx, rng_state, ctx.p), None, None
+        incoming = grad_dx
+        if grad_dbias is not None and grad_dbias.numel() > 0:
+            spread = grad_dbias.expand(ctx.shape)
+            incoming = spread if incoming is None else incoming + spread
+        if incoming is None:
+            return None, None, None, None
+        return torch.ops.accel.bias_dropout_add_bwd(incoming, rng_state, ctx.p, False)[0], None, None, None
 
     torch.library.register_autograd("accel::bias_dropout_add_bwd", bwd_backward, setup_context=bwd_setup_context)
 
