@@ -140,8 +140,34 @@ def _ensure_loaded(op: str, register: Callable[[], None] | None) -> bool:
                 load(op)
                 if register is not None:
                     register()
+                tag_compile_caches()
                 _loaded[op] = True
     return True
+
+
+def tag_compile_caches() -> None:
+    """Add a fingerprint of csrc/ to torch.compile's cache key (torch.compiler.config.cache_key_tag,
+    keeping the user's own tag). torch's FX graph and AOTAutograd caches key a graph on its Python-visible
+    ops only: a compiled backward cached before accel's C++ changed (an op's schema, its C++ gradient)
+    would otherwise be replayed against the new kernels, failing or, worse, computing the old gradient."""
+    config = getattr(torch.compiler, "config", None)
+    if config is None or not hasattr(config, "cache_key_tag"):
+        return  # a torch without the option: nothing to key on
+    mine = f"accel-csrc-{_csrc_fingerprint()}"
+    tag = config.cache_key_tag
+    if mine not in tag.split("|"):
+        config.cache_key_tag = f"{tag}|{mine}" if tag else mine
+
+
+@functools.cache
+def _csrc_fingerprint() -> str:
+    """A short hash of every file under csrc/ (names and bytes)."""
+    h = hashlib.sha256()
+    root = csrc_dir()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 @functools.cache

@@ -465,3 +465,35 @@ def test_setup_py_builds_what_the_jit_build_builds(monkeypatch):
         assert ext.sources == expected
         cxx = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) else ext.extra_compile_args
         assert "-march=native" not in cxx and all(f in cxx for f in _build.OPENMP_FLAGS)
+
+
+def test_compile_caches_are_keyed_on_the_kernel_sources(monkeypatch, tmp_path):
+    # torch.compile's FX graph / AOTAutograd caches see an op's name and schema, not its C++: loading
+    # accel's kernels adds a fingerprint of csrc/ to torch.compiler.config.cache_key_tag, beside the
+    # user's own tag, once; a change to any csrc/ file changes it.
+    from accel.runtime import _build
+    from accel.runtime.nn.quick_gelu import quick_gelu
+
+    if not hasattr(torch.compiler, "config") or not hasattr(torch.compiler.config, "cache_key_tag"):
+        pytest.skip(f"torch {torch.__version__} has no torch.compiler.config.cache_key_tag")
+    quick_gelu(torch.ones(2))  # loads an op
+    mine = f"accel-csrc-{_build._csrc_fingerprint()}"
+    assert mine in torch.compiler.config.cache_key_tag.split("|")
+
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "users-tag")
+    _build.tag_compile_caches()
+    _build.tag_compile_caches()
+    assert torch.compiler.config.cache_key_tag == f"users-tag|{mine}"
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(ROOT / "csrc", csrc)
+    monkeypatch.setattr(_build, "csrc_dir", lambda: csrc)
+    _build._csrc_fingerprint.cache_clear()
+    try:
+        same = _build._csrc_fingerprint()
+        _build._csrc_fingerprint.cache_clear()
+        (csrc / "autograd" / "backward_guard.h").write_text("// changed\n")
+        changed = _build._csrc_fingerprint()
+    finally:
+        _build._csrc_fingerprint.cache_clear()
+    assert f"accel-csrc-{same}" == mine and changed != same
