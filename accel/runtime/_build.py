@@ -140,7 +140,6 @@ def _ensure_loaded(op: str, register: Callable[[], None] | None) -> bool:
                 load(op)
                 if register is not None:
                     register()
-                tag_compile_caches()
                 _loaded[op] = True
     return True
 
@@ -149,7 +148,9 @@ def tag_compile_caches() -> None:
     """Add a fingerprint of csrc/ to torch.compile's cache key (torch.compiler.config.cache_key_tag,
     keeping the user's own tag). torch's FX graph and AOTAutograd caches key a graph on its Python-visible
     ops only: a compiled backward cached before accel's C++ changed (an op's schema, its C++ gradient)
-    would otherwise be replayed against the new kernels, failing or, worse, computing the old gradient."""
+    would otherwise be replayed against the new kernels, failing or, worse, computing the old gradient.
+    Called when this module is imported: a first op load may happen while Dynamo traces, where torch's
+    config cannot be changed, and that graph's key must carry the tag too."""
     config = getattr(torch.compiler, "config", None)
     if config is None or not hasattr(config, "cache_key_tag"):
         return  # a torch without the option: nothing to key on
@@ -353,3 +354,6 @@ def _fingerprint(srcs: list[str]) -> str:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()
+
+
+tag_compile_caches()

@@ -468,8 +468,8 @@ def test_setup_py_builds_what_the_jit_build_builds(monkeypatch):
 
 
 def test_compile_caches_are_keyed_on_the_kernel_sources(monkeypatch, tmp_path):
-    # torch.compile's FX graph / AOTAutograd caches see an op's name and schema, not its C++: loading
-    # accel's kernels adds a fingerprint of csrc/ to torch.compiler.config.cache_key_tag, beside the
+    # torch.compile's FX graph / AOTAutograd caches see an op's name and schema, not its C++: importing
+    # accel's kernel builder adds a fingerprint of csrc/ to torch.compiler.config.cache_key_tag, beside the
     # user's own tag, once; a change to any csrc/ file changes it.
     from accel.runtime import _build
     from accel.runtime.nn.quick_gelu import quick_gelu
@@ -480,10 +480,15 @@ def test_compile_caches_are_keyed_on_the_kernel_sources(monkeypatch, tmp_path):
     mine = f"accel-csrc-{_build._csrc_fingerprint()}"
     assert mine in torch.compiler.config.cache_key_tag.split("|")
 
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "users-tag")
-    _build.tag_compile_caches()
-    _build.tag_compile_caches()
-    assert torch.compiler.config.cache_key_tag == f"users-tag|{mine}"
+    # (plain setattr: monkeypatch's undo hides the entry of torch's config module for good)
+    before = torch.compiler.config.cache_key_tag
+    try:
+        torch.compiler.config.cache_key_tag = "users-tag"
+        _build.tag_compile_caches()
+        _build.tag_compile_caches()
+        assert torch.compiler.config.cache_key_tag == f"users-tag|{mine}"
+    finally:
+        torch.compiler.config.cache_key_tag = before
 
     csrc = tmp_path / "csrc"
     shutil.copytree(ROOT / "csrc", csrc)
