@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
-# One command for a lent GPU machine (H100; Python 3.12, torch 2.11+cu130, transformers, pytest-xdist; no
-# torch_xla, no network; the repository copied to the working directory):
+# The GPU work of a session on a lent machine (H100; Python 3.12, torch 2.11+cu130, transformers, pytest-xdist;
+# no torch_xla, no network; the repository copied to the working directory):
 #
-#     OUT=/path/to/out bash benchmarks/gpu_session.sh
+#     OUT=/path/to/out bash benchmarks/gpu_session.sh                  # every step, in one 10-minute call
+#     OUT=/path/to/out STEPS="env build pytest host_cost multi_stream" bash benchmarks/gpu_session.sh
+#     OUT=/path/to/out STEPS="build bert_base kernels" bash benchmarks/gpu_session.sh
 #
-# 1. environment (nvidia-smi, versions)        -> $OUT/env.log
-# 2. every kernel in csrc/ built, 7 in parallel -> $OUT/build_<op>.log (cache: $ACCEL_EXT_DIR under /root)
-# 3. the GPU-relevant tests, pytest -n 8        -> $OUT/pytest.log
-# 4. benchmarks/bert_base.py --workload both    -> $OUT/bert_base.log, bert_base_cuda.json/png
-# 5. benchmarks/multi_stream.py                -> $OUT/multi_stream.log, multi_stream.json/png
-# 6. benchmarks/host_cost.py --device cuda      -> $OUT/host_cost.log, host_cost_cuda.json/png
-# 7. benchmarks/kernels.py --device cuda        -> $OUT/kernels.log, kernels_cuda.json/png
+# A device call runs 10 minutes at most and a session has 30 (machine start included): the tests take ~4
+# minutes, bert_base and the full kernels table ~5 and ~4, so a session runs the two STEPS calls above (the
+# second's build is a cache hit on a machine still warm). KERNELS_ARGS adds arguments to kernels.py, e.g.
+# KERNELS_ARGS="--ops layer_norm,fused_adam,bias_dropout_add" to time a few ops in the time left.
+# STEPS picks steps by name, in the order below; the default is all of them:
+# env     environment (nvidia-smi, versions)              -> $OUT/env.log
+# build   every kernel in csrc/ built, 7 in parallel       -> $OUT/build_<op>.log (cache: $ACCEL_EXT_DIR under /root)
+# pytest  the GPU-relevant tests, pytest -n 8              -> $OUT/pytest.log
+# bert_base     benchmarks/bert_base.py --workload both    -> $OUT/bert_base.log, bert_base_cuda.json/png
+# multi_stream  benchmarks/multi_stream.py                 -> $OUT/multi_stream.log, multi_stream.json/png
+# host_cost     benchmarks/host_cost.py --device cuda      -> $OUT/host_cost.log, host_cost_cuda.json/png
+# kernels       benchmarks/kernels.py --device cuda        -> $OUT/kernels.log, kernels_cuda.json/png
 # The result files this session writes in benchmarks/results/ are copied to $OUT. A failing step does not
 # stop the next; $OUT/exit_codes.txt has "<step> <exit status> <seconds>" per step (124: timed out) and
-# the script exits 1 when any step failed. The whole session fits 10 minutes of wall clock: each step's
-# timeout is its own cap, cut so that the steps after it keep their reserve (budget below).
+# the script exits 1 when any step failed. A call fits 10 minutes of wall clock (GPU_SESSION_S): each step's
+# timeout is its own cap, cut so that the selected steps after it keep their reserve (RESERVE below); the
+# benchmarks get a time budget of their own, so they end with their table and files instead of being killed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder that receives the logs and results}"
@@ -30,10 +38,31 @@ SESSION_S="${GPU_SESSION_S:-570}"  # 10 minutes, less a margin for start-up, kil
 START=$SECONDS
 FAILED=0
 
-# budget CAP RESERVE: seconds for the next step: CAP, or less so that RESERVE seconds stay for later steps
+# The least each step needs when it runs after others (seconds).
+declare -A RESERVE=([env]=0 [build]=60 [pytest]=120 [bert_base]=200 [multi_stream]=40 [host_cost]=30 [kernels]=60)
+ORDER=(env build pytest bert_base multi_stream host_cost kernels)
+STEPS="${STEPS:-${ORDER[*]}}"
+for name in $STEPS; do
+  [[ -v "RESERVE[$name]" ]] || { echo "STEPS: unknown step '$name' (known: ${ORDER[*]})" >&2; exit 2; }
+done
+
+want() {  # want NAME: whether STEPS selects it
+  [[ " $STEPS " == *" $1 "* ]]
+}
+
+reserve_after() {  # reserve_after NAME: what the selected steps after NAME need
+  local total=0 seen=0 name
+  for name in "${ORDER[@]}"; do
+    if (( seen )) && want "$name"; then total=$(( total + RESERVE[$name] )); fi
+    [[ $name == "$1" ]] && seen=1
+  done
+  echo "$total"
+}
+
+# budget NAME CAP: seconds for step NAME: CAP, or less so that the selected steps after it keep their reserve
 budget() {
-  local left=$(( SESSION_S - (SECONDS - START) - $2 ))
-  if (( left < $1 )); then echo $(( left > 20 ? left : 20 )); else echo "$1"; fi
+  local left=$(( SESSION_S - (SECONDS - START) - $(reserve_after "$1") ))
+  if (( left < $2 )); then echo $(( left > 20 ? left : 20 )); else echo "$2"; fi
 }
 
 record() {  # record NAME STATUS SECONDS
@@ -77,26 +106,41 @@ collect_results() {
   find benchmarks/results -maxdepth 1 -type f -newer "$OUT/.started" -exec cp {} "$OUT"/ \;
 }
 
-# Reserves: what the later steps need at least (pytest 120 s, bert_base 200 s, kernels 60 s).
-step env 30 bash -c "nvidia-smi; $PY -c 'import sys, torch, transformers; print(sys.version); \
+if want env; then
+  step env 30 bash -c "nvidia-smi; $PY -c 'import sys, torch, transformers; print(sys.version); \
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name()); \
 print(\"transformers\", transformers.__version__)'"
-build_kernels "$(budget 150 380)"
-mapfile -t TESTS < <(existing_paths tests/runtime tests/amp tests/data tests/compiler tests/test_checkpoint.py \
-  tests/test_accelerate.py tests/test_config.py)
-step pytest "$(budget 180 260)" "$PY" -m pytest -q -n 8 "${TESTS[@]}"
-BERT_S=$(budget 330 60)
-# --budget-s: rows that would start in the last 100 s are skipped (one row compiles for up to ~a minute),
-# so the run ends with its table, JSON and PNG instead of being killed.
-step bert_base "$BERT_S" "$PY" benchmarks/bert_base.py --workload both --fixed-sizes 32x128,256x128,64x512 \
-  --budget-s $(( BERT_S > 160 ? BERT_S - 100 : 60 ))
-collect_results
-step multi_stream "$(budget 60 100)" "$PY" benchmarks/multi_stream.py
-collect_results
-step host_cost "$(budget 40 60)" "$PY" benchmarks/host_cost.py --device cuda --rounds 9
-collect_results
-step kernels "$(budget 90 0)" "$PY" benchmarks/kernels.py --device cuda
-collect_results
+fi
+if want build; then build_kernels "$(budget build 150)"; fi
+if want pytest; then
+  mapfile -t TESTS < <(existing_paths tests/runtime tests/amp tests/data tests/compiler tests/test_checkpoint.py \
+    tests/test_accelerate.py tests/test_config.py)
+  step pytest "$(budget pytest 300)" "$PY" -m pytest -q -n 8 "${TESTS[@]}"
+fi
+if want bert_base; then
+  BERT_S=$(budget bert_base 330)
+  # --budget-s: rows that would start in the last 100 s are skipped (one row compiles for up to ~a minute),
+  # so the run ends with its table, JSON and PNG instead of being killed.
+  step bert_base "$BERT_S" "$PY" benchmarks/bert_base.py --workload both --fixed-sizes 32x128,256x128,64x512 \
+    --budget-s $(( BERT_S > 160 ? BERT_S - 100 : 60 ))
+  collect_results
+fi
+if want multi_stream; then
+  step multi_stream "$(budget multi_stream 60)" "$PY" benchmarks/multi_stream.py
+  collect_results
+fi
+if want host_cost; then
+  step host_cost "$(budget host_cost 40)" "$PY" benchmarks/host_cost.py --device cuda --rounds 9
+  collect_results
+fi
+if want kernels; then
+  KERNELS_S=$(budget kernels 420)
+  # cases that would start in the last 40 s are skipped (a case with compiled peers compiles first)
+  # shellcheck disable=SC2086  # KERNELS_ARGS is a list of words
+  step kernels "$KERNELS_S" "$PY" benchmarks/kernels.py --device cuda \
+    --budget-s $(( KERNELS_S > 80 ? KERNELS_S - 40 : 40 )) ${KERNELS_ARGS:-}
+  collect_results
+fi
 
 echo "== done in $(( SECONDS - START ))s; exit codes:"
 cat "$OUT/exit_codes.txt"

@@ -5,7 +5,7 @@ For every case in benchmarks/kernel_cases/<op>.py it prints our time, the best p
 measured copy bandwidth (for memory-bound ops), then writes benchmarks/results/kernels_<device>.json
 and a PNG of the ratios.
 
-    python benchmarks/kernels.py [--device cpu|cuda] [--quick] [--ops quick_gelu,nms]
+    python benchmarks/kernels.py [--device cpu|cuda] [--quick] [--ops quick_gelu,nms] [--budget-s S]
 """
 from __future__ import annotations
 
@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes only (a smoke run)")
     ap.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     ap.add_argument("--min-time", type=float, default=0.2, help="seconds of timing per measurement")
+    ap.add_argument("--budget-s", type=float, help="skip the cases that would start after this many seconds "
+                    "(they are listed as skipped), so a run under a time limit still writes its table")
     ap.add_argument("--results-dir", type=Path, default=_report.RESULTS,
                     help="where the JSON and PNG go (default benchmarks/results; a partial --ops run "
                          "should not replace the full table there)")
@@ -77,9 +79,14 @@ def main(argv=None) -> int:
     env = _report.environment(args.device)
     print(f"device: {env['device']}   torch {env['torch']}   copy bandwidth {bw / 1e9:.1f} GB/s\n")
 
-    rows = []
+    rows, skipped = [], []
+    started = time.perf_counter()
     for name, cases in load_cases(args.device, args.quick, ops):
         for case in cases:
+            if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
+                skipped.append({"op": case.op, "size": case.size,
+                                "reason": f"time budget (--budget-s {args.budget_s:g}) spent"})
+                continue
             ours = time_call(case.ours, args.device, args.min_time)
             peers = {p: time_call(fn, args.device, args.min_time) for p, fn in case.peers.items()}
             best = min(peers, key=peers.get) if peers else None
@@ -101,8 +108,10 @@ def main(argv=None) -> int:
         ("best_peer", "best peer", ""), ("peer_ms", "peer ms", ".3f"),
         ("ratio", "peer/ours", ".2f"), ("gbps", "GB/s", ".1f"), ("copy_frac", "of copy BW", ".0%"),
     ])
+    if skipped:
+        print(f"\nskipped {len(skipped)} cases: {skipped[0]['reason']}")
     tag = "cuda" if args.device.startswith("cuda") else "cpu"
-    payload = {**env, "copy_bandwidth_gbps": bw / 1e9, "quick": args.quick, "rows": rows}
+    payload = {**env, "copy_bandwidth_gbps": bw / 1e9, "quick": args.quick, "rows": rows, "skipped": skipped}
     path = _report.write_json(f"kernels_{tag}", payload, args.results_dir)
     png = _plot(rows, env, tag, args.results_dir)
     print(f"\nwrote {path} and {png}")

@@ -1,0 +1,58 @@
+"""benchmarks/gpu_session.sh (the GPU work of a session, run on a lent machine) and the time budget of
+benchmarks/kernels.py it relies on: checked here with `echo` standing in for python, so a change to the
+script's step selection or budgets cannot go unnoticed until the next GPU is lent."""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from benchmarks import kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
+
+
+def _session(tmp_path, steps=None, session_s=570):
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": "echo", "GPU_SESSION_S": str(session_s)}
+    if steps is not None:
+        env["STEPS"] = steps
+    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
+    return proc, out
+
+
+def _steps_run(out):
+    return [line.split()[0] for line in (out / "exit_codes.txt").read_text().splitlines()]
+
+
+def test_steps_select_what_runs_and_the_benchmarks_get_a_budget(tmp_path):
+    proc, out = _session(tmp_path, "build bert_base kernels")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ran = _steps_run(out)
+    ops = sorted(p.stem for p in (ROOT / "csrc" / "cpu").glob("*.cpp"))
+    assert ran == [f"build_{op}" for op in ops] + ["bert_base", "kernels"]
+    # the benchmarks stop themselves before the step's timeout: 570 s less what build (its cap, at most
+    # 150 s) and the kernels' reserve leave, less the margins the script documents
+    bert_args = (out / "bert_base.log").read_text().split()
+    kernels_args = (out / "kernels.log").read_text().split()
+    assert 0 < float(bert_args[bert_args.index("--budget-s") + 1]) <= 330 - 100
+    assert 0 < float(kernels_args[kernels_args.index("--budget-s") + 1]) <= 420 - 40
+
+
+def test_every_step_by_default_and_unknown_steps_refused(tmp_path):
+    proc, out = _session(tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ran = [s for s in _steps_run(out) if not s.startswith("build_")]
+    assert ran == ["env", "pytest", "bert_base", "multi_stream", "host_cost", "kernels"]
+
+    proc, _ = _session(tmp_path, "build kernals")
+    assert proc.returncode == 2 and "unknown step 'kernals'" in proc.stderr
+
+
+def test_kernels_past_its_budget_skips_cases_and_still_writes_its_table(tmp_path):
+    assert kernels.main(["--device", "cpu", "--quick", "--ops", "quick_gelu", "--budget-s", "0",
+                         "--results-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "kernels_cpu.json").read_text())
+    assert result["rows"] == []
+    assert result["skipped"] and all(s["op"].startswith("quick_gelu") for s in result["skipped"])
+    assert all("--budget-s 0" in s["reason"] for s in result["skipped"])
