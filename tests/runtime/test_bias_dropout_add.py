@@ -11,8 +11,8 @@ from accel.runtime.nn.bias_dropout_add import bias_dropout_add_reference
 from ._autograd_probe import ACCEL_RUNTIME, LIBRARY, autograd_kernel, python_calls, ran
 from ._params import DEVICES, DTYPES, tol
 
-# On CUDA, rows of 4k elements take the backward that sums the bias gradient in its own pass: (2, 3, 128);
-# the others take dx, then a row sum.
+# On CUDA, rows whose length is a multiple of 4 take the backward that sums the bias gradient in the dx
+# pass: (2, 3, 128); the others take dx, then a row sum.
 SHAPES = [(7,), (3, 1001), (2, 5, 129), (2, 3, 128), (0, 4)]
 
 
