@@ -111,7 +111,7 @@ void fused_adam_step_cpu(at::TensorList params, at::TensorList grads, at::Tensor
   if (found_inf.has_value() && found_inf->defined() && found_inf->item<double>() != 0.0) return;
 
   const Hyper h{beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize};
-  const bool coupled = !decoupled_weight_decay && weight_decay != 0.0;
+  const bool coupled = h.coupled();
   if (lr_tensor.has_value() && lr_tensor->defined()) lr = lr_tensor->item<double>();
   const double scale = (grad_scale.has_value() && grad_scale->defined()) ? grad_scale->item<double>() : 1.0;
 
