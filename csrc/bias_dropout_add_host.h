@@ -38,5 +38,10 @@ inline at::Tensor sum_rows(const at::Tensor& dx) {
   return rows.sum({0}, false, acc).to(dx.scalar_type());
 }
 
+// The backward op's second output from its dx: the bias gradient when asked for, else an empty tensor.
+inline at::Tensor bias_grad_of(const at::Tensor& dx, bool bias_grad) {
+  return bias_grad ? sum_rows(dx) : at::empty({0}, dx.options());
+}
+
 }  // namespace bias_dropout_add_host
 }  // namespace accel

@@ -380,7 +380,7 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_add_bwd_cpu(const at::Tensor& gr
   check_bwd_args(grad_, rng_state, p, bias_grad);
   auto grad = grad_.contiguous();
   const at::Tensor dx = dropout_grad(grad, rng_state, p);
-  return {dx, bias_grad ? sum_rows(dx) : at::empty({0}, grad.options())};
+  return {dx, bias_grad_of(dx, bias_grad)};
 }
 
 }  // namespace

@@ -322,12 +322,7 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_add_bwd_cuda(const at::Tensor& g
     if (bias_grad && n > 0 && vec && cols % 4 == 0) {
       const int64_t rows = n / cols;
       const int64_t col_tiles = (cols / 4 + kBiasVecs - 1) / kBiasVecs;
-      // enough blocks to fill every SM several times over, each chunk at least 4 rows a thread
-      const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-      int64_t chunks = std::min<int64_t>({(sms * 8 + col_tiles - 1) / col_tiles, (rows + 4 * kBiasRows - 1) / (4 * kBiasRows), 65535});
-      chunks = std::max<int64_t>(chunks, 1);
-      const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
-      chunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
+      const auto [chunks, rows_per_chunk] = column_sum::row_chunks(rows, col_tiles, 4 * kBiasRows);  // 4 rows a thread
       TORCH_CHECK(col_tiles <= 0x7fffffff, "bias_dropout_add_bwd: ", cols, " columns are too many");
       auto partial = at::empty({chunks, cols}, grad.options().dtype(c10::CppTypeToScalarType<opmath_t>::value));
       bias_dropout_add_bwd_bias_kernel<scalar_t><<<dim3((unsigned)col_tiles, (unsigned)chunks), dim3(kBiasVecs, kBiasRows), 0,
@@ -347,7 +342,7 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_add_bwd_cuda(const at::Tensor& g
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  if (!dbias.defined()) dbias = bias_grad ? sum_rows(dx) : at::empty({0}, grad.options());
+  if (!dbias.defined()) dbias = bias_grad_of(dx, bias_grad);
   return {dx, dbias};
 }
 

@@ -3,10 +3,12 @@
 // of partial sums per block or row chunk, this is stage 2.
 #pragma once
 
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace accel {
@@ -36,6 +38,20 @@ __global__ void column_sum_kernel(const acc_t* __restrict__ partial, int64_t row
   if (threadIdx.y != 0 || col >= N) return;
   for (int i = 1; i < kRows; ++i) sum += sums[i][threadIdx.x];
   out[col] = static_cast<P>(sum);
+}
+
+// How stage 1 splits `rows` into chunks (gridDim.y, one partial row each) over `col_tiles` column blocks:
+// enough blocks to fill every SM several times over, at least `min_rows` rows a chunk, at most 65535 chunks.
+struct RowChunks {
+  int64_t chunks, rows_per_chunk;
+};
+
+inline RowChunks row_chunks(int64_t rows, int64_t col_tiles, int64_t min_rows) {
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int64_t chunks = std::min<int64_t>({(sms * 8 + col_tiles - 1) / col_tiles, (rows + min_rows - 1) / min_rows, 65535});
+  chunks = std::max<int64_t>(chunks, 1);
+  const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
+  return {(rows + rows_per_chunk - 1) / rows_per_chunk, rows_per_chunk};
 }
 
 // out0 (and out1, may be null) from `rows` partial rows of row_stride elements, out_y's N columns at offset y * N.

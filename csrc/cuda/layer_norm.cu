@@ -589,14 +589,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (dwp == nullptr && dbp == nullptr) return;
 
-    // Row chunks: enough blocks to fill the GPU, each chunk at least 64 rows, gridDim.y <= 65535.
-    const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const int64_t col_tiles = (N + kCols - 1) / kCols;
-    int64_t chunks = std::max<int64_t>(1, (sms * 8 + col_tiles - 1) / col_tiles);
-    chunks = std::min<int64_t>({chunks, (M + 63) / 64, 65535});
-    chunks = std::max<int64_t>(chunks, 1);
-    const int64_t rows_per_chunk = (M + chunks - 1) / chunks;
-    chunks = (M + rows_per_chunk - 1) / rows_per_chunk;
+    const auto [chunks, rows_per_chunk] = column_sum::row_chunks(M, col_tiles, 64);
     auto partial = at::empty({chunks, 2, N}, b.x.options().dtype(stat_type_of(b.x)));
     layer_norm_bwd_params_partial_kernel<T><<<dim3((unsigned)col_tiles, (unsigned)chunks), dim3(kCols, kRowThreads),
                                               0, stream>>>(d.dy, d.x, d.mean, d.rstd, partial.mutable_data_ptr<acc_t>(), M, N,
