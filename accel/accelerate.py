@@ -20,7 +20,9 @@ What it does, in order (each step says why it sits where it does):
    already built are switched to FusedLayerNorm in place (same parameters); fused Adam is a hook on
    torch.optim.Adam/AdamW, so it reaches the optimizer the user builds next.
 5. activation checkpointing (memory.gc): the blocks named by memory.gc_cls, or the repeated blocks
-   auto_checkpoint finds; memory.gc_cnt limits it to the first N.
+   auto_checkpoint finds; memory.gc_cnt limits it to the first N. Then compute.first_token_only: a
+   classifier that reads one token gets a last encoder layer that computes only that token
+   (accel.compiler.first_token; after checkpointing, which would recompute that layer outside the call).
 6. packing (dataloader.pack): the model is wrapped to take packed rows (accel.compiler.packed); the
    autocast of step 2 goes around that wrapper.
 7. compile (compute.compile): cuda and cpu compile the module in place with torch.compile, static
@@ -234,6 +236,10 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         from accel.checkpoint import auto_checkpoint
 
         auto_checkpoint(model, block_classes=config.memory.gc_cls, count=config.memory.gc_cnt)
+    if config.compute.first_token_only and not config.dataloader.pack:  # packed rows pool several tokens
+        from accel.compiler.first_token import first_token_only
+
+        first_token_only(model)
     if config.dataloader.pack:
         from accel.compiler.packed import PackedModel
 

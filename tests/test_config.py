@@ -10,6 +10,7 @@ def test_defaults_use_torchacc_names_and_ours():
     assert c.backend == "auto"
     assert (c.compute.fp16, c.compute.bf16) == (False, False)
     assert (c.compute.compile, c.compute.cuda_graphs, c.compute.kernels) == (True, True, True)
+    assert (c.compute.recompile_guard, c.compute.first_token_only) == (False, True)
     assert (c.memory.gc, c.memory.gc_cls, c.memory.gc_cnt) == (False, None, None)
     assert (c.dataloader.buckets, c.dataloader.max_length, c.dataloader.num_buckets) == (None, None, None)
     assert c.dataloader.pad_value_dict == {"input_ids": 0, "attention_mask": 0, "labels": -100}
@@ -29,6 +30,7 @@ def test_no_state_is_shared_between_configs():
 @pytest.mark.parametrize("build, field", [
     (lambda: ComputeConfig(fp16=True, bf16=True), "compute.fp16 and compute.bf16 are exclusive"),
     (lambda: ComputeConfig(compile="yes"), "compute.compile"),
+    (lambda: ComputeConfig(first_token_only=1), "compute.first_token_only"),
     (lambda: Config(backend="tpu"), "backend"),
     (lambda: Config(compute=MemoryConfig()), "compute"),
     (lambda: MemoryConfig(gc_cls={"BertLayer"}), "memory.gc_cls and memory.gc_cnt take effect only"),

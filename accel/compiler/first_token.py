@@ -1,0 +1,137 @@
+"""Classifiers that read one token: the encoder's last layer computes only that token.
+
+A BERT-family classifier reads a single position of its encoder's output: BertForSequenceClassification's
+pooler and RoBERTa's or ELECTRA's classification head take hidden_states[:, 0]. The last layer's other positions
+(their queries, attention, output projection, feed-forward and LayerNorms) are computed and then dropped: in
+BERT-base that is 10/12 of the last of 12 layers, ~7% of a training step's arithmetic. `first_token_only(model)`
+makes the last layer compute position 0 alone, from the keys and values of every position. The model's logits,
+loss and gradients stay those of the full computation (tests/compiler/test_first_token.py); only attention
+dropout draws other random numbers (the same distribution).
+
+The full layer still runs where the difference could be seen: a call asking for hidden states or attentions
+(they show every position of every layer), a call of the encoder outside the model's own forward (e.g.
+`model.bert(...)` directly), masks that cannot be cut to the first query (FlexAttention's BlockMask; only
+"sdpa" and "eager" attention qualify), and decoders or cross-attention.
+
+The choice is made per call of the model: a forward pre-hook switches the last layer to one token, and a
+forward hook that runs even when the forward raises switches it back. Apply it after activation checkpointing
+(accelerate() does): a checkpointed layer recomputes its forward in the backward, after the model's call.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+# Heads that read position 0 of the encoder's last layer and nothing else of it (and that return no per-token
+# output): a pooler over hidden_states[:, 0] or a classification head over features[:, 0, :].
+FIRST_TOKEN_HEADS = frozenset({
+    "BertForSequenceClassification", "BertForMultipleChoice", "BertForNextSentencePrediction",
+    "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification", "ElectraForSequenceClassification",
+})
+# Attention implementations whose mask is None or a tensor with a query dimension that can be cut.
+_ATTENTION = ("sdpa", "eager")
+
+
+class _FirstTokenForward:
+    """The last layer's forward: position 0 alone while `active`, else the layer's own forward. Set as the
+    instance's `forward`, so names, hooks and state_dict keys stay; a plain object so the model still pickles."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+        self.inner = layer.__dict__.get("forward")  # an instance forward set before us, if any
+        self.active = False
+
+    # -- the switch, as forward hooks of the classifier ---------------------------------------------------------
+    def enter(self, model: nn.Module, args, kwargs) -> None:
+        config = model.config
+        wants_all = (kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
+                     or getattr(config, "output_hidden_states", False) or getattr(config, "output_attentions", False))
+        self.active = not wants_all
+
+    def leave(self, model: nn.Module, args, output) -> None:
+        self.active = False
+
+    # -- the layer --------------------------------------------------------------------------------------------------
+    def __call__(self, hidden_states, attention_mask=None, *args, **kwargs):
+        encoder_states = args[0] if args else kwargs.get("encoder_hidden_states")
+        if (self.active and len(args) <= 1 and encoder_states is None and kwargs.get("past_key_values") is None
+                and kwargs.get("encoder_attention_mask") is None and _cuttable(attention_mask)
+                and self.layer.attention.self.config._attn_implementation in _ATTENTION):
+            rest = {k: v for k, v in kwargs.items()
+                    if k not in ("encoder_hidden_states", "encoder_attention_mask", "past_key_values")}
+            return self.first_token(hidden_states, attention_mask, **rest)
+        if self.inner is not None:
+            return self.inner(hidden_states, attention_mask, *args, **kwargs)
+        return type(self.layer).forward(self.layer, hidden_states, attention_mask, *args, **kwargs)
+
+    def first_token(self, hidden_states: torch.Tensor, attention_mask, **kwargs) -> torch.Tensor:
+        """BertLayer.forward for the query at position 0: [B, S, H] -> [B, 1, H]."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        layer = self.layer
+        attn = layer.attention.self
+        batch, length = hidden_states.shape[:2]
+        first = hidden_states[:, :1]
+        head = attn.attention_head_size
+        query = attn.query(first).view(batch, 1, -1, head).transpose(1, 2)
+        key = attn.key(hidden_states).view(batch, length, -1, head).transpose(1, 2)
+        value = attn.value(hidden_states).view(batch, length, -1, head).transpose(1, 2)
+        if attention_mask is not None and attention_mask.shape[-2] != 1:
+            attention_mask = attention_mask[:, :, :1]  # [B, 1|heads, S, S] -> the first query's row
+        implementation = attn.config._attn_implementation
+        attention = _eager_attention(attn) if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+        context, _ = attention(attn, query, key, value, attention_mask,
+                               dropout=attn.dropout.p if attn.training else 0.0, scaling=attn.scaling, **kwargs)
+        context = context.reshape(batch, 1, -1).contiguous()
+        return layer.feed_forward_chunk(layer.attention.output(context, first))
+
+
+def _eager_attention(attn: nn.Module):
+    """The eager attention function of the attention module's own model file (each defines one), or None."""
+    return getattr(sys.modules.get(type(attn).__module__), "eager_attention_forward", None)
+
+
+def _cuttable(mask) -> bool:
+    return mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 4)
+
+
+def _bert_layer(layer: nn.Module) -> bool:
+    """Whether `layer` is built like BertLayer (self-attention query/key/value, its output, a feed-forward)."""
+    attention = getattr(layer, "attention", None)
+    attn = getattr(attention, "self", None)
+    return (attn is not None and all(isinstance(getattr(attn, n, None), nn.Linear) for n in ("query", "key", "value"))
+            and hasattr(attn, "attention_head_size") and hasattr(attn, "scaling")
+            and isinstance(getattr(attn, "dropout", None), nn.Dropout)
+            and not getattr(attention, "is_cross_attention", False) and hasattr(attention, "output")
+            and callable(getattr(layer, "feed_forward_chunk", None))
+            and not getattr(layer, "add_cross_attention", False) and not getattr(layer, "is_decoder", False)
+            and _eager_attention(attn) is not None)
+
+
+def first_token_only(model: nn.Module) -> bool:
+    """Make the last encoder layer of a first-token classifier compute position 0 only (see the module docstring).
+
+    Args:
+        model: a transformers model whose class is in FIRST_TOKEN_HEADS (anything else is left alone).
+
+    Returns:
+        Whether the model now computes its last layer for one token. A second call changes nothing.
+    """
+    if not isinstance(model, nn.Module) or type(model).__name__ not in FIRST_TOKEN_HEADS:
+        return False
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_decoder", False) or getattr(config, "is_encoder_decoder", False):
+        return False
+    layers = getattr(getattr(getattr(model, "base_model", None), "encoder", None), "layer", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0 or not _bert_layer(layers[-1]):
+        return False
+    layer = layers[-1]
+    if isinstance(layer.__dict__.get("forward"), _FirstTokenForward):
+        return True
+    forward = _FirstTokenForward(layer)
+    object.__setattr__(layer, "forward", forward)
+    model.register_forward_pre_hook(forward.enter, with_kwargs=True)
+    model.register_forward_hook(forward.leave, always_call=True)
+    return True

@@ -1,0 +1,157 @@
+"""first_token_only: the classifier's last encoder layer computes position 0 alone, and nothing the model returns
+changes. The reference is the same model, unchanged (a deep copy with the same weights)."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the first-token heads are transformers models")
+
+from accel.compiler.first_token import FIRST_TOKEN_HEADS, first_token_only  # noqa: E402
+
+
+def _model(name: str, attention: str = "sdpa", layers: int = 2):
+    torch.manual_seed(0)
+    config_class = getattr(transformers, name.split("For")[0] + "Config")
+    # dropout 0: the first-token layer draws attention dropout for one query, the full layer for all of them
+    config = config_class(vocab_size=99, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                          intermediate_size=37, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                          max_position_embeddings=64, num_labels=3, embedding_size=32)
+    config._attn_implementation = attention
+    return getattr(transformers, name)(config)
+
+
+def _batch(name: str, padded: bool = True):
+    torch.manual_seed(1)
+    shape = (2, 3, 9) if "MultipleChoice" in name else (3, 9)
+    ids = torch.randint(3, 99, shape)
+    mask = torch.ones(shape, dtype=torch.long)
+    if padded:
+        mask[1:, ..., 6:] = 0  # rows of 6 real tokens beside a full one
+    classes = 2 if "NextSentence" in name else 3
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, classes, (shape[0],))}
+
+
+def _query_lengths(model) -> list[int]:
+    """Records how many positions the last layer's query projection sees per call."""
+    seen = []
+    model.base_model.encoder.layer[-1].attention.self.query.register_forward_hook(
+        lambda module, args, out: seen.append(args[0].shape[-2]))
+    return seen
+
+
+def _step(model, batch):
+    out = model(**batch)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", sorted(FIRST_TOKEN_HEADS))
+def test_same_logits_loss_and_gradients_as_the_full_model(name, attention):
+    model = _model(name, attention)
+    reference = copy.deepcopy(model)
+    assert first_token_only(model)
+    queries = _query_lengths(model)
+    batch = _batch(name)
+    logits, loss, grads = _step(model, batch)
+    ref_logits, ref_loss, ref_grads = _step(reference, batch)
+    assert queries == [1], "the last layer computed more than the first token"
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for key, grad in grads.items():
+        if ref_grads[key] is None:  # e.g. the unused pooler of a RoBERTa classifier
+            assert grad is None, key
+        else:
+            torch.testing.assert_close(grad, ref_grads[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_unpadded_batch_and_eval_mode():
+    # no padding: transformers passes no mask at all to SDPA
+    model = _model("BertForSequenceClassification").eval()
+    reference = copy.deepcopy(model)
+    first_token_only(model)
+    queries = _query_lengths(model)
+    batch = _batch("BertForSequenceClassification", padded=False)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, reference(**batch).logits, rtol=1e-5, atol=1e-6)
+    assert queries == [1]
+
+
+def test_calls_that_see_every_position_run_the_full_layer():
+    model = _model("BertForSequenceClassification", "eager")  # SDPA returns no attention weights
+    reference = copy.deepcopy(model)
+    first_token_only(model)
+    queries = _query_lengths(model)
+    batch = _batch("BertForSequenceClassification")
+    length = batch["input_ids"].shape[1]
+
+    out = model(**batch, output_hidden_states=True)
+    ref = reference(**batch, output_hidden_states=True)
+    assert out.hidden_states[-1].shape == ref.hidden_states[-1].shape
+    torch.testing.assert_close(out.hidden_states[-1], ref.hidden_states[-1])
+    out = model(**batch, output_attentions=True)
+    assert len(out.attentions) == 2 and out.attentions[-1].shape[-2] == length
+    # the encoder called by itself returns every position
+    inner = model.bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    torch.testing.assert_close(inner.last_hidden_state,
+                               reference.bert(input_ids=batch["input_ids"],
+                                              attention_mask=batch["attention_mask"]).last_hidden_state)
+    assert queries == [length, length, length]
+    model(**batch)
+    assert queries[-1] == 1
+
+
+def test_a_failed_call_leaves_the_full_layer_for_the_next_encoder_call():
+    model = _model("BertForSequenceClassification")
+    first_token_only(model)
+    queries = _query_lengths(model)
+    batch = _batch("BertForSequenceClassification")
+    with pytest.raises(Exception):
+        model(**{**batch, "labels": torch.zeros(5, dtype=torch.long)})  # 5 labels for 3 rows: the loss fails
+    model.bert(input_ids=batch["input_ids"])
+    assert queries == [1, batch["input_ids"].shape[1]]
+
+
+def test_other_models_are_left_alone():
+    token_model = _model("BertForTokenClassification")  # reads every position
+    assert not first_token_only(token_model)
+    assert "forward" not in token_model.bert.encoder.layer[-1].__dict__
+    assert not first_token_only(torch.nn.Linear(2, 2))
+    model = _model("BertForSequenceClassification")
+    assert first_token_only(model) and first_token_only(model)  # the second call changes nothing
+    queries = _query_lengths(model)
+    model(**_batch("BertForSequenceClassification"))
+    assert queries == [1]
+
+
+def test_flex_attention_runs_the_full_layer():
+    pytest.importorskip("torch.nn.attention.flex_attention", reason="FlexAttention needs torch >= 2.5")
+    model = _model("BertForSequenceClassification", "flex_attention")
+    first_token_only(model)
+    queries = _query_lengths(model)
+    batch = _batch("BertForSequenceClassification")
+    try:
+        model(**batch)
+    except Exception as error:  # transformers or torch without FlexAttention on this device
+        pytest.skip(f"FlexAttention does not run here: {error}")
+    assert queries == [batch["input_ids"].shape[1]]
+
+
+def test_compiled_model_matches_and_does_not_break_the_graph():
+    import torch._dynamo
+
+    model = _model("BertForSequenceClassification")
+    reference = copy.deepcopy(model)
+    first_token_only(model)
+    batch = _batch("BertForSequenceClassification")
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(**batch)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    model.compile(dynamic=False)
+    logits, loss, grads = _step(model, batch)
+    ref_logits, ref_loss, ref_grads = _step(reference, batch)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[key], rtol=1e-4, atol=1e-5, msg=key)
