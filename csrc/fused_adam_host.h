@@ -8,6 +8,7 @@
 
 #include <math.h>
 
+#include <unordered_map>
 #include <vector>
 
 namespace accel {
@@ -144,6 +145,20 @@ inline void check_lists(const at::TensorList& params, const at::TensorList& grad
     TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat,
                 "fused_adam_step: steps[", i, "] must be a one-element float32 tensor");
   }
+  // One counter per param: a shared one would advance once per param on the CPU (one param after the
+  // other) and race on the GPU, where every update reads it before the single advance launch.
+  std::unordered_map<const void*, size_t> counter_of;
+  for (size_t i = 0; i < n; ++i) {
+    const auto [it, fresh] = counter_of.emplace(steps[i].const_data_ptr(), i);
+    TORCH_CHECK(fresh, "fused_adam_step: steps[", it->second, "] and steps[", i,
+                "] are the same counter: every param needs its own step tensor");
+  }
+}
+
+// The chunks of chunk_size elements that cover numel elements ((numel + chunk_size - 1) / chunk_size would
+// overflow for a chunk_size near 2^63).
+inline int64_t chunk_count(int64_t numel, int64_t chunk_size) {
+  return numel / chunk_size + (numel % chunk_size != 0 ? 1 : 0);
 }
 
 // Contiguous stand-ins (the tensors themselves where already contiguous).

@@ -261,7 +261,7 @@ void launch_updates(at::ScalarType dt, const std::vector<size_t>& idx, const std
       meta.vm[k] = a.amsgrad ? w.vm.data_ptr() : nullptr;
       meta.step[k] = steps[idx[i]];
       meta.numel[k] = w.p.numel();
-      meta.chunk_start[k + 1] = meta.chunk_start[k] + (w.p.numel() + a.chunk_size - 1) / a.chunk_size;
+      meta.chunk_start[k + 1] = meta.chunk_start[k] + chunk_count(w.p.numel(), a.chunk_size);
     }
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(meta.chunk_start[meta.n], max_blocks));
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "fused_adam_step_cuda", [&] {
@@ -299,7 +299,7 @@ void fused_adam_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
                     exp_avg_sqs[i].device() == device && steps[i].device() == device &&
                     (!amsgrad || max_exp_avg_sqs[i].device() == device),
                 "fused_adam_step: every tensor must be on ", device, " (params[", i, "] or its state is not)");
-    const int64_t chunks = (params[i].numel() + chunk_size - 1) / chunk_size;
+    const int64_t chunks = chunk_count(params[i].numel(), chunk_size);
     TORCH_CHECK(chunks < (int64_t(1) << 40), "fused_adam_step: chunk_size ", chunk_size, " is too small");
   }
 

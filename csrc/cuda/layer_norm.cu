@@ -529,8 +529,9 @@ int64_t resident_blocks(int threads) {
 constexpr int64_t kFusedMinRowsPerTeam = 4;
 
 // The fused backward of M rows of N with teams of tpr threads: as many blocks as stay resident, fewer when
-// the rows are too few to give every team kFusedMinRowsPerTeam of them; then stage 2 when dweight or dbias
-// is asked for (dwp/dbp not null).
+// the rows are too few to give every team kFusedMinRowsPerTeam of them, but never fewer than one block per
+// SM while rows last (BERT-base's 1024 x 768 would otherwise take 64 blocks on 132 SMs); then stage 2 when
+// dweight or dbias is asked for (dwp/dbp not null).
 template <typename T, typename P, int VEC>
 void bwd_fused(const BwdPtrs<T, P>& d, int64_t M, int64_t N, int tpr, P* dwp, P* dbp, const at::Tensor& like,
                cudaStream_t stream) {
@@ -539,7 +540,9 @@ void bwd_fused(const BwdPtrs<T, P>& d, int64_t M, int64_t N, int tpr, P* dwp, P*
   const bool params = dwp != nullptr || dbp != nullptr;
   const int rpb = std::max(1, kFusedBlockThreads / tpr);
   const int64_t min_rows = params ? rpb * kFusedMinRowsPerTeam : rpb;
-  const int64_t blocks = std::max<int64_t>(1, std::min(resident_blocks<kernel>(tpr * rpb), (M + min_rows - 1) / min_rows));
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t wanted = std::max((M + min_rows - 1) / min_rows, std::min(sms, (M + rpb - 1) / rpb));
+  const int64_t blocks = std::max<int64_t>(1, std::min(resident_blocks<kernel>(tpr * rpb), wanted));
   at::Tensor partial;
   if (params) partial = at::empty({blocks, 2, N}, like.options().dtype(stat_type_of(like)));
   kernel<<<(unsigned)blocks, tpr * rpb, 0, stream>>>(d.dy, d.x, d.mean, d.rstd, d.w, d.dx,

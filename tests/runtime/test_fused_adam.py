@@ -391,6 +391,34 @@ def _kernel_run(device, dtype, views, *, steps=3, chunk_size=5, skip=(), **kw):
     return [t.cpu() for t in ps + ms + vs + xs + st]
 
 
+_HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=True, maximize=False,
+              decoupled_weight_decay=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_counter_shared_by_two_params_is_refused_and_nothing_changes(device):
+    ps, gs, ms, vs, xs = _awkward_views(device, torch.float32)
+    before = [t.clone() for t in ps + ms + vs]
+    shared = torch.zeros((), device=device)
+    steps = [torch.zeros((), device=device) for _ in ps]
+    steps[3] = shared
+    steps[1] = shared
+    with pytest.raises(RuntimeError, match=r"steps\[1\] and steps\[3\] are the same counter"):
+        fused_adam_step(ps, gs, ms, vs, xs, steps, **_HYPER)
+    for t, b in zip(ps + ms + vs, before):
+        assert torch.equal(t, b)
+    assert shared.item() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_chunk_larger_than_every_tensor_is_one_chunk(device):
+    # chunk_size near 2^63: the chunk count must not overflow (one chunk per tensor, as chunk_size=2048 here)
+    huge = _kernel_run(device, torch.float32, _awkward_views, chunk_size=2**63 - 1, **_HYPER)
+    plain = _kernel_run(device, torch.float32, _awkward_views, chunk_size=2048, **_HYPER)
+    for a, b in zip(huge, plain):
+        assert torch.equal(a, b)
+
+
 def _awkward_views(device, dtype):
     """Odd sizes, a tensor of a view that starts mid-vector (not 16-byte aligned), a transposed
     (non-contiguous) one and an empty one: every path of the kernels' alignment and layout logic."""

@@ -223,7 +223,8 @@ def test_many_rows_cover_the_grid_stride_loops(device):
 
 # On CUDA the backward takes one pass over x and dy for rows of up to 512 threads x 16 elements (8 in
 # double); wider rows take the dx kernel and a second sweep for dweight/dbias. Each pair straddles that
-# limit; 37 rows leave the last block of teams part empty, 3000 rows give each team several rows to sum.
+# limit; 37 rows are an odd count (one row per block at these widths: blocks with part-empty teams come from
+# SHAPES' narrow rows), 3000 rows give each team several rows to sum.
 FUSED_LIMITS = [(torch.float32, torch.float32, 8192, 37), (torch.float32, torch.float32, 8196, 37),
                 (torch.bfloat16, torch.float32, 8192, 37), (torch.bfloat16, torch.bfloat16, 8200, 37),
                 (torch.float64, torch.float64, 4096, 37), (torch.float64, torch.float64, 4098, 37),
