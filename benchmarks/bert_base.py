@@ -33,7 +33,9 @@ Modes (one row each, in this order, one process)
                  device; skipped where torch_xla is not installed.
   accel          accel.accelerate(model, loader, config) with compute.bf16 (accelerate stays fp32 on a CPU
                  without native bf16) and, on the guide workload, dataloader.pack with max_length 512;
-                 accelerate() picks the backend: CUDA, else XLA on a TPU, else CPU.
+                 accelerate() picks the backend: CUDA, else XLA on a TPU, else CPU. Its defaults include
+                 compute.first_token_only: on the fixed workload the last layer computes the [CLS] token
+                 alone (the classifier reads nothing else); packed rows keep the full layer.
 
 Reported per mode: samples/s and real (non-pad) tokens/s over the timed steps; step time median and p90;
 compile time (what the warm-up steps took beyond warm-up x the timed median: compiling, CUDA graph
