@@ -148,6 +148,7 @@ inline void check_lists(const at::TensorList& params, const at::TensorList& grad
   // One counter per param: a shared one would advance once per param on the CPU (one param after the
   // other) and race on the GPU, where every update reads it before the single advance launch.
   std::unordered_map<const void*, size_t> counter_of;
+  counter_of.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     const auto [it, fresh] = counter_of.emplace(steps[i].const_data_ptr(), i);
     TORCH_CHECK(fresh, "fused_adam_step: steps[", it->second, "] and steps[", i,
