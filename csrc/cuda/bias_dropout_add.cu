@@ -165,8 +165,8 @@ __global__ void bias_dropout_add_bwd_kernel(const scalar_t* __restrict__ grad, s
 // over kBiasVecs 4-column groups and one chunk of rows (blockIdx.y). Each thread writes dx for its group down
 // the chunk's rows and sums the stored (rounded) dx values per column in opmath; the block adds its kBiasRows
 // sums in order into partial[chunk][col], and column_sum.cuh adds the chunks in order: dbias = the sum of dx
-// over the rows, deterministic, with no second read of dx. The mask is the one of the element index, as in every kernel here (cols % 4 == 0
-// keeps each Philox group of 4 elements within a row).
+// over the rows, deterministic, with no second read of dx. The mask is the one of the element index, as in
+// every kernel here (cols % 4 == 0 keeps each Philox group of 4 elements within a row).
 // Assumptions: blockDim = (kBiasVecs, kBiasRows); gridDim = (ceil(cols / 4 / kBiasVecs), chunks);
 // rows_per_chunk * gridDim.y >= rows.
 constexpr int kBiasVecs = 32;
