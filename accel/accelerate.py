@@ -24,7 +24,8 @@ What it does, in order (each step says why it sits where it does):
    classifier that reads one token gets a last encoder layer that computes only that token
    (accel.compiler.first_token; after checkpointing, which would recompute that layer outside the call).
 6. packing (dataloader.pack): the model is wrapped to take packed rows (accel.compiler.packed); the
-   autocast of step 2 goes around that wrapper.
+   autocast of step 2 goes around that wrapper. With compute.first_token_only a packed sequence classifier's
+   last layer computes each sample's first token alone.
 7. compile (compute.compile): cuda and cpu compile the module in place with torch.compile, static
    shapes (one graph per bucket shape), CUDA graphs on cuda when compute.cuda_graphs. On xla the
    lazy-tensor device itself is the compiler.
@@ -236,14 +237,14 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         from accel.checkpoint import auto_checkpoint
 
         auto_checkpoint(model, block_classes=config.memory.gc_cls, count=config.memory.gc_cnt)
-    if config.compute.first_token_only and not config.dataloader.pack:  # packed rows pool several tokens
+    if config.dataloader.pack:  # packed rows pool one token per sample: PackedModel cuts the last layer itself
+        from accel.compiler.packed import PackedModel
+
+        model = PackedModel(model, first_tokens_only=config.compute.first_token_only)
+    elif config.compute.first_token_only:
         from accel.compiler.first_token import first_token_only
 
         first_token_only(model)
-    if config.dataloader.pack:
-        from accel.compiler.packed import PackedModel
-
-        model = PackedModel(model)
     if dtype is not None:  # outermost: PackedModel calls parts of the model, not its forward
         object.__setattr__(model, "forward", _AutocastForward(model, device.type, dtype))
     model = distributed.wrap_model(model, backend, device, config.dist, dtype)

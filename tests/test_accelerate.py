@@ -391,3 +391,18 @@ def test_pack_gives_packed_rows_and_the_loss_of_the_samples_alone():
                 start += n
         torch.testing.assert_close(loss, torch.stack(per_sample).mean(), rtol=1e-5, atol=1e-6)
     assert sorted(seen) == sorted(LENGTHS)  # every sample exactly once
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_packed_classifier_computes_each_samples_first_token_in_its_last_layer(on):
+    """dataloader.pack with compute.first_token_only: the last layer's query projection sees one position per
+    packed sample (seq_lens' S), not the row; the loss itself is checked against the samples alone above."""
+    config = cpu_config(compile=False, kernels=False, first_token_only=on)
+    config.dataloader.pack, config.dataloader.max_length = True, 32
+    model, wrapped = accel.accelerate(tiny_bert(), loader(batch_size=4), config)
+    seen = []
+    model.model.bert.encoder.layer[-1].attention.self.query.register_forward_hook(
+        lambda module, args, out: seen.append(args[0].shape[1]))
+    batch = next(iter(wrapped))
+    model(**batch)["loss"].backward()
+    assert seen == [batch["seq_lens"].shape[1] if on else 32] and batch["seq_lens"].shape[1] < 32

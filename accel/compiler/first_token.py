@@ -16,6 +16,10 @@ The full layer still runs where the difference could be seen: a call asking for 
 The choice is made per call of the model: a forward pre-hook switches the last layer to one token, and a
 forward hook that runs even when the forward raises switches it back. Apply it after activation checkpointing
 (accelerate() does): a checkpointed layer recomputes its forward in the backward, after the model's call.
+
+Packed rows (accel.compiler.packed) hold several samples, and their classifier reads each sample's first token:
+`last_layer_rows(model)` gives the same last-layer forward, through which PackedModel asks for those positions
+([B, S] indices) instead of position 0.
 """
 from __future__ import annotations
 
@@ -35,57 +39,88 @@ _ATTENTION = ("sdpa", "eager")
 
 
 class _FirstTokenForward:
-    """The last layer's forward: position 0 alone while `active`, else the layer's own forward. Set as the
-    instance's `forward`, so names, hooks and state_dict keys stay; a plain object so the model still pickles."""
+    """The last layer's forward: only the positions a classifier reads while asked to, else the layer's own
+    forward. Set as the instance's `forward`, so names, hooks and state_dict keys stay; a plain object so the
+    model still pickles.
+
+    `active` (set by first_token_only's hooks around a call of the model) asks for position 0; `rows` (set by
+    PackedModel around its call of the encoder) asks for the positions in a [B, S] index tensor, and the layer
+    then always returns [B, S, H]: those rows of the full layer where the layer cannot be cut.
+    """
 
     def __init__(self, layer: nn.Module):
         self.layer = layer
         self.inner = layer.__dict__.get("forward")  # an instance forward set before us, if any
         self.active = False
+        self.rows: torch.Tensor | None = None
+        self.hooked = False  # first_token_only has put its hooks on the model
 
     # -- the switch, as forward hooks of the classifier ---------------------------------------------------------
     def enter(self, model: nn.Module, args, kwargs) -> None:
-        config = model.config
-        wants_all = (kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
-                     or getattr(config, "output_hidden_states", False) or getattr(config, "output_attentions", False))
-        self.active = not wants_all
+        self.active = not sees_every_position(model.config, kwargs)
 
     def leave(self, model: nn.Module, args, output) -> None:
         self.active = False
 
     # -- the layer --------------------------------------------------------------------------------------------------
     def __call__(self, hidden_states, attention_mask=None, *args, **kwargs):
+        rows = self.rows
         encoder_states = args[0] if args else kwargs.get("encoder_hidden_states")
-        if (self.active and len(args) <= 1 and encoder_states is None and kwargs.get("past_key_values") is None
-                and kwargs.get("encoder_attention_mask") is None and _cuttable(attention_mask)
+        if ((self.active or rows is not None) and len(args) <= 1 and encoder_states is None
+                and kwargs.get("past_key_values") is None and kwargs.get("encoder_attention_mask") is None
+                and _cuttable(attention_mask)
                 and self.layer.attention.self.config._attn_implementation in _ATTENTION):
             rest = {k: v for k, v in kwargs.items()
                     if k not in ("encoder_hidden_states", "encoder_attention_mask", "past_key_values")}
-            return self.first_token(hidden_states, attention_mask, **rest)
+            return self.first_token(hidden_states, attention_mask, rows, **rest)
         if self.inner is not None:
-            return self.inner(hidden_states, attention_mask, *args, **kwargs)
-        return type(self.layer).forward(self.layer, hidden_states, attention_mask, *args, **kwargs)
+            out = self.inner(hidden_states, attention_mask, *args, **kwargs)
+        else:
+            out = type(self.layer).forward(self.layer, hidden_states, attention_mask, *args, **kwargs)
+        if rows is None:
+            return out
+        if isinstance(out, tuple):  # transformers before 5 returns (hidden_states, ...)
+            return (_take_rows(out[0], rows),) + out[1:]
+        return _take_rows(out, rows)
 
-    def first_token(self, hidden_states: torch.Tensor, attention_mask, **kwargs) -> torch.Tensor:
-        """BertLayer.forward for the query at position 0: [B, S, H] -> [B, 1, H]."""
+    def first_token(self, hidden_states: torch.Tensor, attention_mask, rows: torch.Tensor | None = None,
+                    **kwargs) -> torch.Tensor:
+        """BertLayer.forward for the queries at position 0 ([B, S, H] -> [B, 1, H]) or, given rows [B, R], at
+        those positions ([B, S, H] -> [B, R, H])."""
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         layer = self.layer
         attn = layer.attention.self
         batch, length = hidden_states.shape[:2]
-        first = hidden_states[:, :1]
+        picked = hidden_states[:, :1] if rows is None else _take_rows(hidden_states, rows)
         head = attn.attention_head_size
-        query = attn.query(first).view(batch, 1, -1, head).transpose(1, 2)
+        query = attn.query(picked).view(batch, picked.shape[1], -1, head).transpose(1, 2)
         key = attn.key(hidden_states).view(batch, length, -1, head).transpose(1, 2)
         value = attn.value(hidden_states).view(batch, length, -1, head).transpose(1, 2)
         if attention_mask is not None and attention_mask.shape[-2] != 1:
-            attention_mask = attention_mask[:, :, :1]  # [B, 1|heads, S, S] -> the first query's row
+            # [B, 1|heads, S, S] -> the rows of the queries kept
+            if rows is None:
+                attention_mask = attention_mask[:, :, :1]
+            else:
+                index = rows[:, None, :, None].expand(-1, attention_mask.shape[1], -1, attention_mask.shape[-1])
+                attention_mask = attention_mask.gather(2, index)
         implementation = attn.config._attn_implementation
         attention = _eager_attention(attn) if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
         context, _ = attention(attn, query, key, value, attention_mask,
                                dropout=attn.dropout.p if attn.training else 0.0, scaling=attn.scaling, **kwargs)
-        context = context.reshape(batch, 1, -1).contiguous()
-        return layer.feed_forward_chunk(layer.attention.output(context, first))
+        context = context.reshape(batch, picked.shape[1], -1).contiguous()
+        return layer.feed_forward_chunk(layer.attention.output(context, picked))
+
+
+def sees_every_position(config, kwargs: dict) -> bool:
+    """Whether a call asks for hidden states or attentions, which show every position of every layer."""
+    return bool(kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
+                or getattr(config, "output_hidden_states", False) or getattr(config, "output_attentions", False))
+
+
+def _take_rows(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """hidden [B, S, H] at rows [B, R] -> [B, R, H]."""
+    return hidden.gather(1, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
 
 
 def _eager_attention(attn: nn.Module):
@@ -110,6 +145,24 @@ def _bert_layer(layer: nn.Module) -> bool:
             and _eager_attention(attn) is not None)
 
 
+def last_layer_rows(model: nn.Module) -> _FirstTokenForward | None:
+    """The last encoder layer's selecting forward (installed, idle until asked), or None where that layer is not
+    built like BertLayer. Set `.rows` to [B, R] positions around a call of the encoder and the layer returns those
+    rows alone, [B, R, H]; set it back to None after the call (PackedModel does both)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_decoder", False) or getattr(config, "is_encoder_decoder", False):
+        return None
+    layers = getattr(getattr(getattr(model, "base_model", None), "encoder", None), "layer", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0 or not _bert_layer(layers[-1]):
+        return None
+    layer = layers[-1]
+    forward = layer.__dict__.get("forward")
+    if not isinstance(forward, _FirstTokenForward):
+        forward = _FirstTokenForward(layer)
+        object.__setattr__(layer, "forward", forward)
+    return forward
+
+
 def first_token_only(model: nn.Module) -> bool:
     """Make the last encoder layer of a first-token classifier compute position 0 only (see the module docstring).
 
@@ -121,17 +174,12 @@ def first_token_only(model: nn.Module) -> bool:
     """
     if not isinstance(model, nn.Module) or type(model).__name__ not in FIRST_TOKEN_HEADS:
         return False
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "is_decoder", False) or getattr(config, "is_encoder_decoder", False):
+    forward = last_layer_rows(model)
+    if forward is None:
         return False
-    layers = getattr(getattr(getattr(model, "base_model", None), "encoder", None), "layer", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0 or not _bert_layer(layers[-1]):
-        return False
-    layer = layers[-1]
-    if isinstance(layer.__dict__.get("forward"), _FirstTokenForward):
+    if forward.hooked:
         return True
-    forward = _FirstTokenForward(layer)
-    object.__setattr__(layer, "forward", forward)
+    forward.hooked = True
     model.register_forward_pre_hook(forward.enter, with_kwargs=True)
     model.register_forward_hook(forward.leave, always_call=True)
     return True

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from accel.compiler.first_token import last_layer_rows, sees_every_position
 from accel.data.packing import LABEL_PAD, block_diagonal_mask
 
 FLEX = "flex_attention"
@@ -122,15 +123,21 @@ class PackedModel(nn.Module):
     `load_state_dict()` use the wrapped model's keys (no "model." prefix), so checkpoints move freely between
     the two; `named_parameters()` keeps the prefix, as for any submodule.
 
+    A sequence classifier reads one position per sample of the encoder's last layer, so with `first_tokens_only`
+    that layer computes those positions alone (accel.compiler.first_token; where the layer is built like
+    BertLayer and the attention is "sdpa" or "eager"), the rest of the row only as keys and values.
+
     Args:
         model: the transformers model to wrap.
+        first_tokens_only: let a sequence classifier's last layer compute only the samples' first tokens
+            (accelerate()'s compute.first_token_only). Outputs and gradients are the same either way.
 
     Raises:
         ValueError: a decoder or encoder-decoder model, an attention implementation not in BACKENDS, a head it
             cannot pack, or a sequence classifier for regression / multi-label or without a first-token pooler.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, first_tokens_only: bool = True):
         super().__init__()
         config = getattr(model, "config", None)
         if not isinstance(model, nn.Module) or config is None:
@@ -152,6 +159,8 @@ class PackedModel(nn.Module):
             raise ValueError(f"model {name} has an unsupported head; PackedModel supports "
                              f"*{', *'.join(_TOKEN_HEADS)} and *{_SEQUENCE_HEAD}")
         self.model = model
+        # The selecting forward of the last layer (a plain object, not a submodule), or None: the full layer.
+        self._last_layer = last_layer_rows(model) if first_tokens_only and self.head == "sequence" else None
         self.register_state_dict_post_hook(_state_dict_without_wrapper)
         self.register_load_state_dict_pre_hook(_load_state_dict_into_wrapper)
 
@@ -250,10 +259,6 @@ class PackedModel(nn.Module):
             raise ValueError(f"labels must be one class id per segment, [B, S] = {(batch, segments)}, "
                              f"got {tuple(labels.shape)}")
 
-        base = self.model.base_model
-        out = base(input_ids=input_ids, attention_mask=mask, token_type_ids=token_type_ids,
-                   position_ids=position_ids, return_dict=True, **kwargs)
-        hidden = out.last_hidden_state  # [B, L, H]
         # First token of segment s in each row, from comparisons rather than a scatter: static shapes, and a
         # segment id above S cannot index out of bounds. A row without segment s gets L.
         positions = torch.arange(length, device=segment_ids.device)
@@ -261,8 +266,23 @@ class PackedModel(nn.Module):
         in_segment = segment_ids.unsqueeze(1) == wanted  # [B, S, L]
         first = torch.where(in_segment, positions, length).amin(dim=-1)  # [B, S]
         present = first < length
-        index = first.clamp(max=length - 1).unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-        first_hidden = hidden.gather(1, index)  # [B, S, H]
+        rows = first.clamp(max=length - 1)
+
+        base = self.model.base_model
+        # The last layer computes only the rows the pooler reads (see __init__), unless the call asks to see
+        # every position of every layer.
+        last = self._last_layer if not sees_every_position(self.model.config, kwargs) else None
+        if last is not None:
+            last.rows = rows
+        try:
+            out = base(input_ids=input_ids, attention_mask=mask, token_type_ids=token_type_ids,
+                       position_ids=position_ids, return_dict=True, **kwargs)
+        finally:
+            if last is not None:
+                last.rows = None
+        hidden = out.last_hidden_state  # [B, S, H] from the cut last layer, else [B, L, H]
+        first_hidden = hidden if last is not None else hidden.gather(
+            1, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, S, H]
         # The pooler takes token 0 of each [1, H] "sequence": one pooled vector per sample.
         pooled = base.pooler(first_hidden.reshape(batch * segments, 1, hidden.shape[-1]))
         logits = self.model.classifier(self.model.dropout(pooled)).view(batch, segments, -1)

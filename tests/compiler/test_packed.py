@@ -277,3 +277,82 @@ def test_bad_forward_arguments_are_named():
     _, seq_batch = _packed(_samples("sequence"), "cpu")
     with pytest.raises(ValueError, match="labels"):
         seq_packed(**{**seq_batch, "labels": seq_batch["labels"][:, :1]})
+
+
+def _last_layer_queries(packed):
+    """Records how many positions per row the last layer's query projection sees per call."""
+    seen = []
+    packed.model.base_model.encoder.layer[-1].attention.self.query.register_forward_hook(
+        lambda module, args, out: seen.append(args[0].shape[-2]))
+    return seen
+
+
+def _full_twin(packed):
+    """The same weights in a PackedModel whose last layer computes every position."""
+    model = HEADS["sequence"](packed.config)
+    model.load_state_dict(packed.model.state_dict())
+    model.train(packed.training)
+    return PackedModel(model, first_tokens_only=False)
+
+
+def _grads(model):
+    return {name: param.grad for name, param in model.model.named_parameters()}
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_sequence_head_last_layer_computes_only_the_first_tokens(backend):
+    packed, _ = _models("sequence", backend, "cpu", train=True)
+    full = _full_twin(packed)
+    ds, batch = _packed(_samples("sequence", seed=2), "cpu")
+    cut_queries, full_queries = _last_layer_queries(packed), _last_layer_queries(full)
+    out, expected = packed(**batch), full(**batch)
+    out["loss"].backward()
+    expected["loss"].backward()
+    assert cut_queries == [ds.max_segments] and full_queries == [ROW] and ds.max_segments < ROW
+    torch.testing.assert_close(out["logits"], expected["logits"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["loss"], expected["loss"], rtol=1e-5, atol=1e-6)
+    expected_grads = _grads(full)
+    for name, grad in _grads(packed).items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_calls_that_see_every_position_keep_the_full_last_layer():
+    packed, _ = _models("sequence", "eager", "cpu", train=False)  # SDPA returns no attention weights
+    full = _full_twin(packed)
+    _, batch = _packed(_samples("sequence"), "cpu")
+    queries = _last_layer_queries(packed)
+    with torch.no_grad():
+        out = packed(**batch, output_hidden_states=True)
+        expected = full(**batch, output_hidden_states=True)
+        assert out.hidden_states[-1].shape[1] == ROW
+        torch.testing.assert_close(out.hidden_states[-1], expected.hidden_states[-1])
+        torch.testing.assert_close(out.logits, expected.logits)
+        assert packed(**batch, output_attentions=True).attentions[-1].shape[-2] == ROW
+        # a call that fails inside the encoder leaves the last layer whole for the model's other callers
+        with pytest.raises(Exception):
+            packed(**{**batch, "token_type_ids": torch.full_like(batch["token_type_ids"], 99)})
+        packed.model.bert(input_ids=batch["input_ids"])
+    assert queries == [ROW, ROW, ROW]
+
+
+def test_compiled_packed_classifier_matches_without_graph_breaks():
+    import torch._dynamo
+
+    packed, _ = _models("sequence", "sdpa", "cpu", train=True)
+    full = _full_twin(packed)
+    _, batch = _packed(_samples("sequence"), "cpu")
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(packed)(**batch)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    queries = _last_layer_queries(packed)
+    compiled = torch.compile(packed, dynamic=False)
+    out, expected = compiled(**batch), full(**batch)
+    out["loss"].backward()
+    expected["loss"].backward()
+    torch.testing.assert_close(out["logits"], expected["logits"], rtol=1e-4, atol=1e-5)
+    expected_grads = _grads(full)
+    for name, grad in _grads(packed).items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert packed._last_layer.rows is None
+    packed(**batch)  # uncompiled again: the compiled call left nothing set
+    assert queries[-1] == len(batch["seq_lens"][0])
