@@ -25,7 +25,9 @@ What it does, in order (each step says why it sits where it does):
    (accel.compiler.first_token; after checkpointing, which would recompute that layer outside the call).
 6. packing (dataloader.pack): the model is wrapped to take packed rows (accel.compiler.packed); the
    autocast of step 2 goes around that wrapper. With compute.first_token_only a packed sequence classifier's
-   last layer computes each sample's first token alone.
+   last layer computes each sample's first token alone. Without packing, an encoder with "sdpa" attention
+   switches to accel's "accel_sdpa" (accel.compiler.unpadded_attention): the same attention, without a mask
+   when a batch has no padding mask, also under torch.compile (where transformers would build one).
 7. compile (compute.compile): cuda and cpu compile the module in place with torch.compile, static
    shapes (one graph per bucket shape), CUDA graphs on cuda when compute.cuda_graphs. On xla the
    lazy-tensor device itself is the compiler.
@@ -43,7 +45,8 @@ What it does, in order (each step says why it sits where it does):
 9. the loader: each rank gets its share (a DistributedSampler; accel.data.sharding), made resumable
    (accel.data.ResumableLoader: accel.save_state records the epoch and position, set_epoch at every
    pass), then static shapes by bucketing (dataloader.buckets / max_length / num_buckets: every batch
-   padded to a bucket length) or packing; then the backend's device loader (MpDeviceLoader on xla,
+   padded to a bucket length) or packing; otherwise a transformers model's all-ones attention masks are
+   dropped on the host (accel.data.full_mask: SDPA's unmasked kernels); then the backend's device loader (MpDeviceLoader on xla,
    the Prefetcher with pinned host memory on cuda, the Prefetcher's background reads on cpu); with
    compute.recompile_guard, a guard that warns about compilations after the first steps.
 
@@ -63,6 +66,7 @@ from torch import nn
 from accel import distributed
 from accel.amp.autocast_mode import autocast
 from accel.config import Config
+from accel.data.full_mask import reads_no_mask_as_full
 from accel.utils.cpu import native_bf16, warn_emulated_bf16
 from accel.utils.xla import require_xla, xla_available, xla_on_accelerator, xla_on_cpu_client
 
@@ -150,7 +154,8 @@ def _compile(model: nn.Module, backend: str, cuda_graphs: bool, n_shapes: int) -
     model.compile(dynamic=False, mode=mode)
 
 
-def _wrap_loader(loader, config: Config, backend: str, device: torch.device, input_sharding=None):
+def _wrap_loader(loader, config: Config, backend: str, device: torch.device, input_sharding=None,
+                 drop_full_masks: bool = False):
     from accel.data.bucketing import BucketPaddedLoader
     from accel.data.device_loader import MpDeviceLoader
     from accel.data.resumable import ResumableLoader
@@ -173,6 +178,12 @@ def _wrap_loader(loader, config: Config, backend: str, device: torch.device, inp
         loader = resumable
     if buckets is not None and not dl.pack:
         loader = BucketPaddedLoader(loader, buckets, dl.pad_value_dict)
+    elif drop_full_masks and not dl.pack:
+        # Unpadded batches go without their mask of ones (SDPA's unmasked kernels; accel.data.full_mask).
+        # Not under bucketing: a bucket's graph would get a second, maskless variant.
+        from accel.data.full_mask import FullMaskDropper
+
+        loader = FullMaskDropper(loader)
     if backend == "xla":
         # SPMD (FSDP on xla): each batch is the global one, uploaded split along dim 0 over the mesh.
         loader = MpDeviceLoader(loader, device, input_sharding=input_sharding)
@@ -229,6 +240,7 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
     compiled = config.compute.compile and backend != "xla"
 
     model = model.to(device)
+    drop_full_masks = dataloader is not None and reads_no_mask_as_full(model)  # before any wrapper hides it
     if config.compute.kernels:
         from accel.runtime.policy import helpful_kernels
 
@@ -241,10 +253,14 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         from accel.compiler.packed import PackedModel
 
         model = PackedModel(model, first_tokens_only=config.compute.first_token_only)
-    elif config.compute.first_token_only:
-        from accel.compiler.first_token import first_token_only
+    else:
+        from accel.compiler.unpadded_attention import unpadded_attention
 
-        first_token_only(model)
+        unpadded_attention(model)  # packed rows always have a mask
+        if config.compute.first_token_only:
+            from accel.compiler.first_token import first_token_only
+
+            first_token_only(model)
     if dtype is not None:  # outermost: PackedModel calls parts of the model, not its forward
         object.__setattr__(model, "forward", _AutocastForward(model, device.type, dtype))
     model = distributed.wrap_model(model, backend, device, config.dist, dtype)
@@ -257,4 +273,5 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
 
     if dataloader is None:
         return model
-    return model, _wrap_loader(dataloader, config, backend, device, distributed.input_sharding(model))
+    return model, _wrap_loader(dataloader, config, backend, device, distributed.input_sharding(model),
+                               drop_full_masks)

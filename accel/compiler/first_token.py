@@ -11,7 +11,7 @@ dropout draws other random numbers (the same distribution).
 The full layer still runs where the difference could be seen: a call asking for hidden states or attentions
 (they show every position of every layer), a call of the encoder outside the model's own forward (e.g.
 `model.bert(...)` directly), masks that cannot be cut to the first query (FlexAttention's BlockMask; only
-"sdpa" and "eager" attention qualify), and decoders or cross-attention.
+"sdpa", accel's "accel_sdpa" and "eager" attention qualify), and decoders or cross-attention.
 
 The choice is made per call of the model: a forward pre-hook switches the last layer to one token, and a
 forward hook that runs even when the forward raises switches it back. Apply it after activation checkpointing
@@ -28,6 +28,8 @@ import sys
 import torch
 from torch import nn
 
+from accel.compiler.unpadded_attention import ACCEL_SDPA, SDPA
+
 # Heads that read position 0 of the encoder's last layer and nothing else of it (and that return no per-token
 # output): a pooler over hidden_states[:, 0] or a classification head over features[:, 0, :].
 FIRST_TOKEN_HEADS = frozenset({
@@ -35,7 +37,7 @@ FIRST_TOKEN_HEADS = frozenset({
     "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification", "ElectraForSequenceClassification",
 })
 # Attention implementations whose mask is None or a tensor with a query dimension that can be cut.
-_ATTENTION = ("sdpa", "eager")
+_ATTENTION = (SDPA, ACCEL_SDPA, "eager")
 
 
 class _FirstTokenForward:

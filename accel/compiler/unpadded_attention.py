@@ -1,0 +1,70 @@
+"""SDPA without a mask for batches without padding, under torch.compile too.
+
+A batch with no padding needs no attention mask, and SDPA without one may take its fastest kernels
+(FlashAttention takes no mask on CUDA). transformers skips the mask of a model with "sdpa" attention when the
+[B, L] padding mask is absent or all ones, but only outside a traced graph: while Dynamo traces, torch 2.9-2.13
+answer True to `torch.compiler.is_exporting()` (pytorch/pytorch#176347, fixed in 2.14 by #176499), so
+transformers builds a [B, 1, L, L] mask of ones even for a call without any mask, and every compiled step runs
+its attention masked.
+
+Two parts remove that mask, each exact:
+- the loader drops an all-ones padding mask while the batch is still on the host (accel.data.full_mask);
+- the model's attention becomes ACCEL_SDPA: transformers' own SDPA attention function, registered under
+  another name beside a mask builder that returns no mask when there is no padding mask, in an encoder's
+  bidirectional attention, and otherwise builds transformers' SDPA mask (`AttentionInterface` and
+  `AttentionMaskInterface`, transformers' documented registries for custom attention).
+Padded batches keep their masks and their results; tests/compiler/test_unpadded_attention.py compares both
+against the model with "sdpa" attention given the mask.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+SDPA = "sdpa"
+ACCEL_SDPA = "accel_sdpa"
+
+
+def _mask(*args, attention_mask=None, allow_is_bidirectional_skip: bool = False, local_size=None, **kwargs):
+    """transformers' sdpa_mask, except that bidirectional attention without a padding mask gets no mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None and allow_is_bidirectional_skip and local_size is None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, allow_is_bidirectional_skip=allow_is_bidirectional_skip,
+                     local_size=local_size, **kwargs)
+
+
+def _register() -> bool:
+    """Registers ACCEL_SDPA with transformers once; False where this transformers has no such registries."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:
+        return False
+    AttentionInterface.register(ACCEL_SDPA, sdpa_attention_forward)
+    AttentionMaskInterface.register(ACCEL_SDPA, _mask)
+    return True
+
+
+def unpadded_attention(model: nn.Module) -> bool:
+    """Switch a transformers encoder with "sdpa" attention to ACCEL_SDPA (see the module docstring).
+
+    Args:
+        model: any module; only a transformers model whose config says "sdpa" attention and that is neither
+            a decoder nor an encoder-decoder changes.
+
+    Returns:
+        Whether the model now uses ACCEL_SDPA (also True when it already did).
+    """
+    config = getattr(model, "config", None)
+    if config is None or not type(model).__module__.startswith("transformers."):
+        return False
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation == ACCEL_SDPA:
+        return True
+    if (implementation != SDPA or getattr(config, "is_decoder", False)
+            or getattr(config, "is_encoder_decoder", False) or not _register()):
+        return False
+    config._attn_implementation = ACCEL_SDPA
+    return True
