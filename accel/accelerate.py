@@ -45,8 +45,8 @@ What it does, in order (each step says why it sits where it does):
 9. the loader: each rank gets its share (a DistributedSampler; accel.data.sharding), made resumable
    (accel.data.ResumableLoader: accel.save_state records the epoch and position, set_epoch at every
    pass), then static shapes by bucketing (dataloader.buckets / max_length / num_buckets: every batch
-   padded to a bucket length) or packing; otherwise a transformers model's all-ones attention masks are
-   dropped on the host (accel.data.full_mask: SDPA's unmasked kernels); then the backend's device loader (MpDeviceLoader on xla,
+   padded to a bucket length) or packing; or, with dataloader.drop_full_masks, a transformers model's
+   all-ones attention masks dropped on the host (accel.data.full_mask); then the backend's device loader (MpDeviceLoader on xla,
    the Prefetcher with pinned host memory on cuda, the Prefetcher's background reads on cpu); with
    compute.recompile_guard, a guard that warns about compilations after the first steps.
 
@@ -178,9 +178,8 @@ def _wrap_loader(loader, config: Config, backend: str, device: torch.device, inp
         loader = resumable
     if buckets is not None and not dl.pack:
         loader = BucketPaddedLoader(loader, buckets, dl.pad_value_dict)
-    elif drop_full_masks and not dl.pack:
+    elif drop_full_masks:
         # Unpadded batches go without their mask of ones (SDPA's unmasked kernels; accel.data.full_mask).
-        # Not under bucketing: a bucket's graph would get a second, maskless variant.
         from accel.data.full_mask import FullMaskDropper
 
         loader = FullMaskDropper(loader)
@@ -240,7 +239,8 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
     compiled = config.compute.compile and backend != "xla"
 
     model = model.to(device)
-    drop_full_masks = dataloader is not None and reads_no_mask_as_full(model)  # before any wrapper hides it
+    # before any wrapper hides the model's class
+    drop_full_masks = config.dataloader.drop_full_masks and dataloader is not None and reads_no_mask_as_full(model)
     if config.compute.kernels:
         from accel.runtime.policy import helpful_kernels
 

@@ -139,6 +139,9 @@ class DataLoaderConfig(_Section):
     pad_value_dict: the value each padded field gets (fields not named are padded with 0).
     pack: pack several samples into each row of max_length tokens instead (accel.data.packing):
         no padding but the row tail; the samples stay apart (see accel.data.packing).
+    drop_full_masks: a batch whose attention_mask is all ones reaches a transformers model without that key
+        (accel.data.full_mask), so attention runs unmasked (FlashAttention on CUDA). Opt-in: the training loop
+        then sees batches without "attention_mask". Not with buckets or pack, whose batches keep their masks.
     """
 
     _prefix = "dataloader"
@@ -147,6 +150,7 @@ class DataLoaderConfig(_Section):
     num_buckets: Optional[int] = None
     pad_value_dict: dict = field(default_factory=lambda: dict(DEFAULT_PAD_VALUES))
     pack: bool = False
+    drop_full_masks: bool = False
 
     def _check(self) -> None:
         if self.buckets is not None:
@@ -174,6 +178,11 @@ class DataLoaderConfig(_Section):
             raise ValueError("dataloader.pack needs dataloader.max_length (the packed row length)")
         if self.pack and self.buckets is not None:
             raise ValueError("dataloader.pack and dataloader.buckets are exclusive: packed rows have one length")
+        _check_bool("dataloader.drop_full_masks", self.drop_full_masks)
+        if self.drop_full_masks and (self.pack or self.max_length is not None or self.buckets is not None):
+            raise ValueError("dataloader.drop_full_masks is for loaders that keep their own shapes: not with "
+                             "dataloader.pack, dataloader.buckets or dataloader.max_length (their batches keep "
+                             "their masks, one compiled graph per shape)")
 
     def bucket_lengths(self) -> Optional[list]:
         """The lengths batches are padded to, or None when the loader keeps its own shapes."""

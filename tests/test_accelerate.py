@@ -275,23 +275,23 @@ def test_a_first_token_classifier_computes_one_token_in_its_last_layer(gc):
 # --------------------------------------------------------------------------- loaders
 
 def test_unpadded_batches_reach_an_sdpa_encoder_without_a_mask():
-    """Without packing or buckets: the model's "sdpa" attention becomes "accel_sdpa" (accel.compiler.
-    unpadded_attention) and a batch's all-ones mask is dropped on the host (accel.data.full_mask); a padded
-    batch keeps its mask. The losses are the unchanged model's on the loader's own batches."""
+    """Without packing the model's "sdpa" attention becomes "accel_sdpa" (accel.compiler.unpadded_attention);
+    with dataloader.drop_full_masks a batch's all-ones mask is dropped on the host (accel.data.full_mask) and a
+    padded batch keeps its mask. The losses are the unchanged model's on the loader's own batches."""
     lengths = [6, 6, 4, 9]  # batches (6, 6): no padding; (4, 9): padded
     ref = tiny_bert()
     assert ref.config._attn_implementation == "sdpa"
-    model, wrapped = accel.accelerate(tiny_bert(), loader(lengths), cpu_config(compile=False, kernels=False))
+    config = cpu_config(compile=False, kernels=False)
+    model, wrapped = accel.accelerate(tiny_bert(), loader(lengths), config)
     assert model.config._attn_implementation == "accel_sdpa"
+    assert all("attention_mask" in b for b in wrapped)  # off by default: the loop sees its own batches
+    config.dataloader.drop_full_masks = True
+    model, wrapped = accel.accelerate(tiny_bert(), loader(lengths), config)
     batches = list(wrapped)
     assert "attention_mask" not in batches[0] and "attention_mask" in batches[1]
     for got, plain in zip(batches, loader(lengths)):
         torch.testing.assert_close(model(**got).loss, ref(**plain).loss, rtol=1e-5, atol=1e-6)
 
-    bucketed = cpu_config(compile=False, kernels=False)
-    bucketed.dataloader.buckets = [8, 16]
-    _, wrapped = accel.accelerate(tiny_bert(), loader(lengths), bucketed)
-    assert all("attention_mask" in b for b in wrapped)  # one graph per bucket: masks stay
     packed = cpu_config(compile=False, kernels=False)
     packed.dataloader.pack, packed.dataloader.max_length = True, 32
     model, _ = accel.accelerate(tiny_bert(), loader(lengths), packed)

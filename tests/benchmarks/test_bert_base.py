@@ -72,6 +72,8 @@ def test_batch_counts_padded_and_packed():
     assert bert_base.batch_counts(padded, packed=False).tolist() == [2, 5, 9 + 4]
     packed = {"segment_ids": torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1]])}
     assert bert_base.batch_counts(packed, packed=True).tolist() == [3, 11, 4 + 9 + 36]
+    unmasked = {"input_ids": torch.ones(2, 5, dtype=torch.long)}  # accelerate() dropped a mask of ones
+    assert bert_base.batch_counts(unmasked, packed=False).tolist() == [2, 10, 25 + 25]
 
 
 def _row(mode, first, final, same_data=True):
