@@ -18,32 +18,40 @@ against the model with "sdpa" attention given the mask.
 """
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 
 SDPA = "sdpa"
 ACCEL_SDPA = "accel_sdpa"
 
 
-def _mask(*args, attention_mask=None, allow_is_bidirectional_skip: bool = False, local_size=None, **kwargs):
+def _mask_builder(sdpa_mask):
     """transformers' sdpa_mask, except that bidirectional attention without a padding mask gets no mask."""
-    from transformers.masking_utils import sdpa_mask
+    signature = inspect.signature(sdpa_mask)
 
-    if attention_mask is None and allow_is_bidirectional_skip and local_size is None:
-        return None
-    return sdpa_mask(*args, attention_mask=attention_mask, allow_is_bidirectional_skip=allow_is_bidirectional_skip,
-                     local_size=local_size, **kwargs)
+    def mask(*args, **kwargs):
+        # Bound to sdpa_mask's own signature, however this transformers passes them (names differ by version).
+        arguments = signature.bind_partial(*args, **kwargs).arguments
+        if (arguments.get("attention_mask") is None and arguments.get("allow_is_bidirectional_skip", False)
+                and arguments.get("local_size") is None):
+            return None
+        return sdpa_mask(*args, **kwargs)
+
+    return mask
 
 
 def _register() -> bool:
-    """Registers ACCEL_SDPA with transformers once; False where this transformers has no such registries."""
+    """Registers ACCEL_SDPA with transformers (again: the same entries); False where this transformers has no
+    such registries."""
     try:
         from transformers import AttentionInterface
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError:
         return False
     AttentionInterface.register(ACCEL_SDPA, sdpa_attention_forward)
-    AttentionMaskInterface.register(ACCEL_SDPA, _mask)
+    AttentionMaskInterface.register(ACCEL_SDPA, _mask_builder(sdpa_mask))
     return True
 
 

@@ -66,11 +66,18 @@ def test_same_outputs_and_gradients_as_sdpa_with_the_mask(case):
 
 
 def test_compiled_attention_gets_no_mask_without_padding_and_its_mask_with():
+    import torch._dynamo
+
     model, reference = _pair()
-    seen = _masks_seen(model)
-    compiled = torch.compile(model, dynamic=False)
     unpadded = _batch(padded=False)
     without_mask = {k: v for k, v in unpadded.items() if k != "attention_mask"}
+    torch._dynamo.reset()
+    for batch in (without_mask, _batch(padded=True)):
+        explained = torch._dynamo.explain(model)(**batch)
+        assert explained.graph_break_count == 0, explained.break_reasons
+    model.zero_grad()
+    seen = _masks_seen(model)
+    compiled = torch.compile(model, dynamic=False)
     _check_same(compiled, reference, unpadded, without_mask, rtol=1e-4, atol=1e-5)
     assert seen[-1] is None  # transformers' "sdpa" builds a [B, 1, L, L] mask here on torch 2.9-2.13
     model.zero_grad()
