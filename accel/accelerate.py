@@ -46,9 +46,10 @@ What it does, in order (each step says why it sits where it does):
    (accel.data.ResumableLoader: accel.save_state records the epoch and position, set_epoch at every
    pass), then static shapes by bucketing (dataloader.buckets / max_length / num_buckets: every batch
    padded to a bucket length) or packing; or, with dataloader.drop_full_masks, a transformers model's
-   all-ones attention masks dropped on the host (accel.data.full_mask); then the backend's device loader (MpDeviceLoader on xla,
-   the Prefetcher with pinned host memory on cuda, the Prefetcher's background reads on cpu); with
-   compute.recompile_guard, a guard that warns about compilations after the first steps.
+   all-ones attention masks dropped on the host (accel.data.full_mask); then the backend's device loader
+   (MpDeviceLoader on xla, the Prefetcher with pinned host memory on cuda, the Prefetcher's background
+   reads on cpu); with compute.recompile_guard, a guard that warns about compilations after the first
+   steps.
 
 The model is modified in place where possible (kernels, checkpointing, FSDP2, compile) and returned; its
 state_dict keys stay as they were except under packing (the wrapper holds the model as `.model`) and DDP

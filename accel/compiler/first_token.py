@@ -40,7 +40,7 @@ FIRST_TOKEN_HEADS = frozenset({
 _ATTENTION = (SDPA, ACCEL_SDPA, "eager")
 
 
-class _FirstTokenForward:
+class _LastLayerForward:
     """The last layer's forward: only the positions a classifier reads while asked to, else the layer's own
     forward. Set as the instance's `forward`, so names, hooks and state_dict keys stay; a plain object so the
     model still pickles.
@@ -147,7 +147,7 @@ def _bert_layer(layer: nn.Module) -> bool:
             and _eager_attention(attn) is not None)
 
 
-def last_layer_rows(model: nn.Module) -> _FirstTokenForward | None:
+def last_layer_rows(model: nn.Module) -> _LastLayerForward | None:
     """The last encoder layer's selecting forward (installed, idle until asked), or None where that layer is not
     built like BertLayer. Set `.rows` to [B, R] positions around a call of the encoder and the layer returns those
     rows alone, [B, R, H]; set it back to None after the call (PackedModel does both)."""
@@ -159,8 +159,8 @@ def last_layer_rows(model: nn.Module) -> _FirstTokenForward | None:
         return None
     layer = layers[-1]
     forward = layer.__dict__.get("forward")
-    if not isinstance(forward, _FirstTokenForward):
-        forward = _FirstTokenForward(layer)
+    if not isinstance(forward, _LastLayerForward):
+        forward = _LastLayerForward(layer)
         object.__setattr__(layer, "forward", forward)
     return forward
 

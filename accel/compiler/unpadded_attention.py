@@ -8,11 +8,12 @@ transformers builds a [B, 1, L, L] mask of ones even for a call without any mask
 its attention masked.
 
 Two parts remove that mask, each exact:
-- the loader drops an all-ones padding mask while the batch is still on the host (accel.data.full_mask);
 - the model's attention becomes ACCEL_SDPA: transformers' own SDPA attention function, registered under
   another name beside a mask builder that returns no mask when there is no padding mask, in an encoder's
   bidirectional attention, and otherwise builds transformers' SDPA mask (`AttentionInterface` and
-  `AttentionMaskInterface`, transformers' documented registries for custom attention).
+  `AttentionMaskInterface`, transformers' documented registries for custom attention);
+- for a loop that passes a mask of ones, the loader can drop it while the batch is still on the host
+  (opt-in: dataloader.drop_full_masks, accel.data.full_mask).
 Padded batches keep their masks and their results; tests/compiler/test_unpadded_attention.py compares both
 against the model with "sdpa" attention given the mask.
 """
