@@ -23,6 +23,8 @@ import inspect
 
 from torch import nn
 
+from accel.utils.transformers_models import is_transformers_model
+
 SDPA = "sdpa"
 ACCEL_SDPA = "accel_sdpa"
 
@@ -66,9 +68,9 @@ def unpadded_attention(model: nn.Module) -> bool:
     Returns:
         Whether the model now uses ACCEL_SDPA (also True when it already did).
     """
-    config = getattr(model, "config", None)
-    if config is None or not type(model).__module__.startswith("transformers."):
+    if not is_transformers_model(model):
         return False
+    config = model.config
     implementation = getattr(config, "_attn_implementation", None)
     if implementation == ACCEL_SDPA:
         return True

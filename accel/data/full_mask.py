@@ -5,7 +5,8 @@ kernel: FlashAttention takes no mask, so a [B, L] mask of ones (expanded to [B, 
 to a slower masked kernel and adds the mask's own ops. transformers drops such a mask by itself in eager mode,
 at the cost of a device-to-host read every step; under torch.compile it keeps it, since a graph cannot branch
 on data. Here the check is made on the batch while it is still on the host, before the device loader moves it:
-no sync, and the compiled graph gets unmasked attention. The outputs are those of the masked call (the
+no sync, and with accel's "accel_sdpa" attention (accel.compiler.unpadded_attention) the compiled graph gets
+unmasked attention. The outputs are those of the masked call (the
 additive mask of ones is zero everywhere); tests/data/test_full_mask.py checks it against the model with the
 mask.
 """
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from accel.utils.loader import LoaderWrapper
+from accel.utils.transformers_models import is_transformers_model
 
 MASK = "attention_mask"
 
@@ -55,7 +57,7 @@ class FullMaskDropper(LoaderWrapper):
 def reads_no_mask_as_full(model: nn.Module) -> bool:
     """Whether `model` is a transformers model whose forward takes attention_mask with a default of None (and
     so treats a missing mask as all ones). Other modules may need the mask, and keep it."""
-    if getattr(model, "config", None) is None or not type(model).__module__.startswith("transformers."):
+    if not is_transformers_model(model):
         return False
     try:
         parameter = inspect.signature(type(model).forward).parameters.get(MASK)
