@@ -16,9 +16,9 @@ What it does, in order (each step says why it sits where it does):
    (and the XLA CPU client) without native bf16 it stays fp32 and says so once: emulated bf16 is many
    times slower there (accel.utils.cpu). fp16 needs a GradScaler: use accel.amp.GradScaler (sync-free).
 3. the model moves to the device.
-4. kernels: the library's hooks where they win on this device (accel.runtime.policy). LayerNorm modules
-   already built are switched to FusedLayerNorm in place (same parameters); fused Adam is a hook on
-   torch.optim.Adam/AdamW, so it reaches the optimizer the user builds next.
+4. kernels: the library's hooks where they win on this device (accel.runtime.policy). LayerNorm and Dropout
+   modules already built are switched to FusedLayerNorm / PhiloxDropout in place (same parameters); fused
+   Adam is a hook on torch.optim.Adam/AdamW, so it reaches the optimizer the user builds next.
 5. activation checkpointing (memory.gc): the blocks named by memory.gc_cls, or the repeated blocks
    auto_checkpoint finds; memory.gc_cnt limits it to the first N. Then compute.first_token_only: a
    classifier that reads one token gets a last encoder layer that computes only that token
@@ -139,6 +139,13 @@ def _apply_kernels(model: nn.Module, kernels: frozenset[str]) -> None:
         for module in model.modules():
             if type(module) is _TorchLayerNorm:
                 module.__class__ = FusedLayerNorm  # same attributes and parameters: only forward differs
+    if policy.DROPOUT in kernels:
+        from accel.runtime.nn.bias_dropout_add import PhiloxDropout, _TorchDropout
+
+        # this model's layers only (no process-wide hook): other models in the process keep torch's dropout
+        for module in model.modules():
+            if type(module) is _TorchDropout:
+                module.__class__ = PhiloxDropout  # same attributes: only where the mask comes from differs
     if policy.ADAM in kernels:
         hooks.enable_fused_adam()
 

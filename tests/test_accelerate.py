@@ -189,12 +189,47 @@ def test_kernels_the_policy_names_are_applied(monkeypatch):
 def test_no_kernels_where_torch_wins_or_when_switched_off(monkeypatch):
     from accel.runtime import policy
 
-    accel.accelerate(tiny_bert(), config=cpu_config(compile=False))  # the measured policy: none win today
+    accel.accelerate(tiny_bert(), config=cpu_config(compile=False))  # the measured policy: neither wins today
     assert not hooks.fused_layer_norm_enabled() and not hooks.fused_adam_enabled()
     monkeypatch.setattr(policy, "helpful_kernels", lambda *_: frozenset({policy.LAYER_NORM, policy.ADAM}))
     model = accel.accelerate(tiny_bert(), config=cpu_config(compile=False, kernels=False))
     assert all(type(m) is nn.LayerNorm for m in model.modules() if isinstance(m, nn.LayerNorm))
     assert not hooks.fused_adam_enabled()
+
+
+def test_cpu_dropout_layers_switch_to_philox_dropout_in_this_model_only():
+    """The measured policy on the CPU: this model's nn.Dropout layers draw with accel's Philox kernel; no
+    process-wide hook, so a model built afterwards (a peer in the same process) keeps torch's dropout."""
+    from accel.runtime import policy
+    from accel.runtime.nn.bias_dropout_add import PhiloxDropout
+
+    assert policy.helpful_kernels("cpu", True, None) == {policy.DROPOUT} == policy.helpful_kernels("cpu", False, None)
+    assert not policy.helpful_kernels("cuda", True, torch.bfloat16) and not policy.helpful_kernels("xla", False, None)
+
+    def dropping_bert():
+        model = tiny_bert()
+        for m in model.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.2
+        return model
+
+    ref, model = dropping_bert(), dropping_bert()
+    accel.accelerate(model, config=cpu_config(compile=False))
+    dropouts = [m for m in model.modules() if isinstance(m, nn.Dropout)]
+    # embeddings, 3 a layer (attention probabilities, attention output, output), classifier
+    assert len(dropouts) == 1 + 3 * 2 + 1 and all(type(m) is PhiloxDropout and m.p == 0.2 for m in dropouts)
+    assert not hooks.philox_dropout_enabled() and type(nn.Dropout(0.1)) is nn.Dropout
+    assert all(type(m) is nn.Dropout for m in dropping_bert().modules() if isinstance(m, nn.Dropout))
+    assert model.state_dict().keys() == ref.state_dict().keys()
+    batch = pad_to_longest(samples([6, 4]))
+    model.eval(), ref.eval()
+    torch.testing.assert_close(model(**batch).logits, ref(**batch).logits, rtol=1e-5, atol=1e-6)
+    model.train()
+    torch.manual_seed(1)
+    first = model(**batch).logits
+    assert not torch.allclose(first, model(**batch).logits)  # it drops, a new mask each call
+    unswitched = accel.accelerate(dropping_bert(), config=cpu_config(compile=False, kernels=False))
+    assert all(type(m) is nn.Dropout for m in unswitched.modules() if isinstance(m, nn.Dropout))
 
 
 def test_torch_adam_at_its_defaults_switches_to_the_fused_kernel_and_trains_the_same():

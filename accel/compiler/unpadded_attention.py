@@ -16,12 +16,20 @@ Two parts remove that mask, each exact:
   (opt-in: dataloader.drop_full_masks, accel.data.full_mask).
 Padded batches keep their masks and their results; tests/compiler/test_unpadded_attention.py compares both
 against the model with "sdpa" attention given the mask.
+
+ACCEL_SDPA also honours the attention module's own dropout layer when it is not torch's nn.Dropout (accelerate()
+swaps in accel's PhiloxDropout where its kernel wins, accel.runtime.policy): SDPA would draw the dropout of the
+probabilities itself and ignore that layer, so while training with dropout the attention is computed in plain
+ops, as transformers' eager attention does, with the layer applied to the probabilities. On the CPU that is also
+what SDPA computes whenever it drops (its fused CPU kernels take no dropout): only the mask's source changes.
 """
 from __future__ import annotations
 
 import inspect
 
+import torch
 from torch import nn
+from torch.nn.modules.dropout import Dropout as _TorchDropout
 
 from accel.utils.transformers_models import is_transformers_model
 
@@ -44,6 +52,41 @@ def _mask_builder(sdpa_mask):
     return mask
 
 
+def _own_dropout(module: nn.Module, p: float) -> nn.Module | None:
+    """The attention module's dropout layer when it drops p and is not torch's own (see the module docstring)."""
+    layer = getattr(module, "dropout", None)
+    if isinstance(layer, _TorchDropout) and type(layer) is not _TorchDropout and layer.p == p:
+        return layer
+    return None
+
+
+def _plain_attention(query, key, value, attention_mask, scaling, dropout_layer: nn.Module) -> torch.Tensor:
+    """softmax(q k^T scaling + mask) v with dropout_layer on the probabilities, as transformers' eager attention.
+    [B, H, Lq, D] queries, [B, H, Lk, D] keys and values; a bool mask keeps where True. Returns [B, Lq, H, D]."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(attention_mask.logical_not(), torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask
+    probs = dropout_layer(scores.softmax(-1, dtype=torch.float32).to(query.dtype))
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
+
+
+def _attention(sdpa_forward):
+    """transformers' SDPA attention function, or _plain_attention while training with the module's own dropout
+    layer (encoder self-attention with as many key as query heads, nothing else asked of SDPA)."""
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        layer = _own_dropout(module, dropout) if dropout > 0 and module.training else None
+        if (layer is None or key.shape[1] != query.shape[1] or getattr(module, "is_causal", False)
+                or any(kwargs.get(name) is not None for name in ("is_causal", "position_bias", "cache", "softcap"))):
+            return sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return _plain_attention(query, key, value, attention_mask, scaling, layer), None
+
+    return attention
+
+
 def _register() -> bool:
     """Registers ACCEL_SDPA with transformers (again: the same entries); False where this transformers has no
     such registries."""
@@ -53,7 +96,7 @@ def _register() -> bool:
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError:
         return False
-    AttentionInterface.register(ACCEL_SDPA, sdpa_attention_forward)
+    AttentionInterface.register(ACCEL_SDPA, _attention(sdpa_attention_forward))
     AttentionMaskInterface.register(ACCEL_SDPA, _mask_builder(sdpa_mask))
     return True
 

@@ -1,7 +1,8 @@
-"""Swap torch's LayerNorm and Adam/AdamW for accel's fused ones in code you do not control.
+"""Swap torch's LayerNorm, Dropout and Adam/AdamW for accel's in code you do not control.
 
     from accel.runtime import hooks
     hooks.enable_fused_layer_norm()   # nn.LayerNorm(...) now builds FusedLayerNorm
+    hooks.enable_philox_dropout()     # nn.Dropout(...) now builds PhiloxDropout
     hooks.enable_fused_adam()         # torch.optim.Adam/AdamW(...) now build FusedAdam/FusedAdamW
 
 Model code such as transformers' BertLayer looks `nn.LayerNorm` up on the torch.nn module when it
@@ -10,11 +11,12 @@ built keep their class). Each enable_* is idempotent and has a disable_* counter
 back the exact objects found before the first enable.
 
 What is patched, and what deliberately is not:
-- torch.nn.LayerNorm and torch.nn.modules.LayerNorm, but not
-  torch.nn.modules.normalization.LayerNorm: pickle finds a class through its defining module and
-  refuses to save instances if that name points elsewhere, so torch.save of a model holding an
-  original LayerNorm keeps working while the hook is on. FusedLayerNorm subclasses that original
-  class, so isinstance(m, nn.LayerNorm) stays true for fused modules and nothing recurses.
+- torch.nn.LayerNorm and torch.nn.modules.LayerNorm (Dropout likewise), but not
+  torch.nn.modules.normalization.LayerNorm (torch.nn.modules.dropout.Dropout): pickle finds a class
+  through its defining module and refuses to save instances if that name points elsewhere, so
+  torch.save of a model holding an original LayerNorm keeps working while the hook is on.
+  FusedLayerNorm (PhiloxDropout) subclasses that original class, so isinstance(m, nn.LayerNorm)
+  stays true for fused modules and nothing recurses.
 - torch.optim.Adam and torch.optim.AdamW, not torch.optim.adam.Adam / torch.optim.adamw.AdamW,
   for the same reason.
 """
@@ -31,6 +33,10 @@ _originals: dict[tuple[object, str], object] = {}
 
 def _layer_norm_targets():
     return [(torch.nn, "LayerNorm"), (torch.nn.modules, "LayerNorm")]
+
+
+def _dropout_targets():
+    return [(torch.nn, "Dropout"), (torch.nn.modules, "Dropout")]
 
 
 def _adam_targets():
@@ -69,6 +75,27 @@ def disable_fused_layer_norm() -> None:
 def fused_layer_norm_enabled() -> bool:
     with _lock:
         return (torch.nn, "LayerNorm") in _originals
+
+
+def enable_philox_dropout() -> None:
+    """Make nn.Dropout construct accel's PhiloxDropout (same arguments; the mask from accel's Philox kernel)."""
+    from accel.runtime.nn.bias_dropout_add import PhiloxDropout
+
+    with _lock:
+        for namespace, name in _dropout_targets():
+            _patch(namespace, name, PhiloxDropout)
+
+
+def disable_philox_dropout() -> None:
+    """Put torch's own nn.Dropout back (a no-op when the hook is off)."""
+    with _lock:
+        for namespace, name in _dropout_targets():
+            _restore(namespace, name)
+
+
+def philox_dropout_enabled() -> bool:
+    with _lock:
+        return (torch.nn, "Dropout") in _originals
 
 
 def enable_fused_adam() -> None:

@@ -13,6 +13,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
@@ -383,6 +384,64 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_add_bwd_cpu(const at::Tensor& gr
   return {dx, bias_grad_of(dx, bias_grad)};
 }
 
+#if ACCEL_HAVE_X86_INTRINSICS
+// Elements [64 begin, min(64 end, n)) of dropout_mask: byte i is 1 where element i is kept.
+ACCEL_AVX512 void mask_chunks_avx512(bool* out, int64_t n, int64_t begin, int64_t end, uint64_t seed,
+                                     uint64_t threshold) {
+  for (int64_t c = begin; c < end; ++c) {
+    const int64_t base = c * kChunk;
+    const __m512i bytes = _mm512_maskz_set1_epi8(keep_bits(seed, 0, static_cast<uint64_t>(base / 4), threshold), 1);
+    const int64_t len = n - base;
+    if (len >= kChunk) {
+      _mm512_storeu_si512(out + base, bytes);
+    } else {
+      _mm512_mask_storeu_epi8(out + base, (1ull << len) - 1, bytes);
+    }
+  }
+}
+#endif
+
+// dropout_mask(size, p, device) -> bool tensor of `size`, true where an element is kept: the keep rule of
+// the forward above for a fresh rng_state (seed drawn from torch's CPU generator, offset 0), written as
+// one byte per element. p = 0 keeps everything and p = 1 nothing, without drawing.
+at::Tensor dropout_mask_cpu(c10::SymIntArrayRef size, double p, at::Device device) {
+  check_p(p);
+  auto mask = at::empty(C10_AS_INTARRAYREF_SLOW(size), at::TensorOptions().dtype(at::kBool).device(device));
+  const int64_t n = mask.numel();
+  if (n == 0 || p == 0.0 || p == 1.0) return mask.fill_(p == 0.0);
+  uint64_t seed = 0;
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    seed = at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
+  }
+  const uint64_t threshold = keep_threshold(p);
+  bool* out = mask.mutable_data_ptr<bool>();
+  at::parallel_for(0, (n + kChunk - 1) / kChunk, kGrainChunks, [&](int64_t begin, int64_t end) {
+#if ACCEL_HAVE_X86_INTRINSICS
+    if (vec::avx512_enabled()) return mask_chunks_avx512(out, n, begin, end, seed, threshold);
+#endif
+    uint32_t draws[kChunk];
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t base = c * kChunk;
+      philox_batch(seed, 0, base / 4, draws);
+      const int64_t len = std::min<int64_t>(kChunk, n - base);
+      for (int64_t i = 0; i < len; ++i) out[base + i] = static_cast<uint64_t>(draws[i]) < threshold;
+    }
+  });
+  return mask;
+}
+
+// dropout_mask has no tensor argument to dispatch on: pick the backend from its device argument, as
+// torch's own factory functions do.
+at::Tensor dropout_mask_backend_select(c10::SymIntArrayRef size, double p, at::Device device) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("accel::dropout_mask", "")
+                             .typed<at::Tensor(c10::SymIntArrayRef, double, at::Device)>();
+  return op.redispatch(c10::DispatchKeySet(c10::computeDispatchKey(std::nullopt, std::nullopt, device)), size,
+                       p, device);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(accel, m) {
@@ -392,11 +451,19 @@ TORCH_LIBRARY_FRAGMENT(accel, m) {
         {at::Tag::nondeterministic_seeded});
   // (dx, dbias): dbias is dx summed over every dim but the last when bias_grad, else an empty tensor
   m.def("bias_dropout_add_bwd(Tensor grad, Tensor rng_state, float p, bool bias_grad) -> (Tensor, Tensor)");
+  // The keep mask alone (bool, true = kept), for a dropout written as x * mask / (1 - p) in plain ops
+  // that a compiler fuses with their neighbours; nondeterministic_seeded as the forward.
+  m.def("dropout_mask(SymInt[] size, float p, Device device) -> Tensor", {at::Tag::nondeterministic_seeded});
+}
+
+TORCH_LIBRARY_IMPL(accel, BackendSelect, m) {
+  m.impl("dropout_mask", &dropout_mask_backend_select);
 }
 
 TORCH_LIBRARY_IMPL(accel, CPU, m) {
   m.impl("bias_dropout_add_fwd", &bias_dropout_add_fwd_cpu);
   m.impl("bias_dropout_add_bwd", &bias_dropout_add_bwd_cpu);
+  m.impl("dropout_mask", &dropout_mask_cpu);
 }
 
 }  // namespace accel

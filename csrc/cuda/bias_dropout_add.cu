@@ -346,11 +346,53 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_add_bwd_cuda(const at::Tensor& g
   return {dx, dbias};
 }
 
+// Assumptions: mask holds n bools; any grid (grid-stride over groups of 4 elements); philox reserved 4
+// draws per subsequence. Byte i is 1 where element i is kept, by the forward's keep rule.
+__global__ void dropout_mask_kernel(bool* __restrict__ mask, int64_t n, at::PhiloxCudaState philox,
+                                    uint64_t threshold) {
+  const auto unpacked = at::cuda::philox::unpack(philox);
+  const uint64_t seed = std::get<0>(unpacked);
+  const uint64_t counter = std::get<1>(unpacked) / kDrawsPerSubsequence;
+  const int64_t groups = (n + 3) / 4;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t blk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; blk < groups; blk += stride) {
+    at::Philox4_32 engine(seed, static_cast<uint64_t>(blk), counter);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const bool kept = static_cast<uint64_t>(engine()) < threshold;
+      if (4 * blk + k < n) mask[4 * blk + k] = kept;
+    }
+  }
+}
+
+// dropout_mask on CUDA (csrc/cpu/bias_dropout_add.cpp says what it returns); (seed, offset) from the
+// device's generator as in the forward, so a CUDA graph replay draws a new mask.
+at::Tensor dropout_mask_cuda(c10::SymIntArrayRef size, double p, at::Device device) {
+  check_p(p);
+  c10::cuda::CUDAGuard guard(device);
+  auto mask = at::empty(C10_AS_INTARRAYREF_SLOW(size), at::TensorOptions().dtype(at::kBool).device(device));
+  const int64_t n = mask.numel();
+  if (n == 0 || p == 0.0 || p == 1.0) return mask.fill_(p == 0.0);
+  at::PhiloxCudaState philox;
+  {
+    auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+        std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(mask.get_device()));
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    philox = gen->philox_cuda_state(kDrawsPerSubsequence);
+  }
+  const auto grid = static_cast<unsigned>(grid_for((n + 3) / 4));
+  dropout_mask_kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(mask.mutable_data_ptr<bool>(), n,
+                                                                                 philox, keep_threshold(p));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return mask;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(accel, CUDA, m) {
   m.impl("bias_dropout_add_fwd", &bias_dropout_add_fwd_cuda);
   m.impl("bias_dropout_add_bwd", &bias_dropout_add_bwd_cuda);
+  m.impl("dropout_mask", &dropout_mask_cuda);
 }
 
 }  // namespace accel

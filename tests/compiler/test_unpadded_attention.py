@@ -103,3 +103,89 @@ def test_the_saved_config_keeps_sdpa(tmp_path):
     loaded = transformers.BertForSequenceClassification.from_pretrained(tmp_path, attn_implementation="sdpa")
     assert ACCEL_SDPA not in (tmp_path / "config.json").read_text()
     torch.testing.assert_close(loaded.classifier.weight, model.classifier.weight)
+
+
+# ---------------------------------------------------------------- the attention module's own dropout layer
+
+
+def _with_philox_attention_dropout(attention="sdpa", p=0.3):
+    """A BertForSequenceClassification whose attention modules drop with PhiloxDropout (as accelerate() swaps them
+    where that kernel wins), hidden dropout off so that only the attention draws."""
+    from accel.runtime.nn.bias_dropout_add import PhiloxDropout
+
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(_config(attention, attention_probs_dropout_prob=p)).train()
+    for layer in model.bert.encoder.layer:
+        layer.attention.self.dropout.__class__ = PhiloxDropout
+    return model
+
+
+def test_own_dropout_layer_applies_to_the_probabilities_as_in_eager_attention(monkeypatch):
+    """Reference: transformers' eager attention (the same weights) with its functional dropout drawing the same
+    masks, i.e. philox_dropout in place of F.dropout; padded batch (bool mask in accel_sdpa, additive in eager)."""
+    from accel.runtime.nn.bias_dropout_add import philox_dropout
+
+    model = _with_philox_attention_dropout()
+    assert unpadded_attention(model)
+    reference = _with_philox_attention_dropout("eager")
+    reference.load_state_dict(model.state_dict())
+    batch = _batch(padded=True)
+    torch.manual_seed(5)
+    got = model(**batch)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.nn.functional, "dropout", philox_dropout)
+        torch.manual_seed(5)
+        expected = reference(**batch)
+    got.loss.backward()
+    expected.loss.backward()
+    torch.testing.assert_close(got.logits, expected.logits)
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+    # the dropout did act: another seed gives other logits
+    torch.manual_seed(6)
+    assert not torch.allclose(model(**batch).logits, got.logits)
+
+
+def test_own_dropout_layer_is_used_only_where_sdpa_cannot_take_its_place():
+    from accel.compiler.unpadded_attention import _attention
+
+    calls = []
+
+    def sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        calls.append(dropout)
+        return query.transpose(1, 2), None
+
+    attention = _attention(sdpa)
+    model = _with_philox_attention_dropout(p=0.3)
+    module = model.bert.encoder.layer[0].attention.self
+    q = k = v = torch.randn(2, 4, 5, 8)
+    kv2 = torch.randn(2, 2, 5, 8)
+
+    def uses_sdpa(module, key=k, value=v, dropout=0.3, **kwargs):
+        calls.clear()
+        attention(module, q, key, value, None, dropout=dropout, scaling=8 ** -0.5, **kwargs)
+        return calls == [dropout]
+
+    assert not uses_sdpa(module)  # training, PhiloxDropout of the same p: plain attention
+    assert uses_sdpa(module, dropout=0.0)  # nothing to drop
+    assert uses_sdpa(module, dropout=0.2)  # not the layer's p
+    assert uses_sdpa(module, key=kv2, value=kv2)  # grouped keys: SDPA's job
+    assert uses_sdpa(module, position_bias=torch.zeros(1))
+    module.eval()
+    assert uses_sdpa(module)
+    plain = transformers.BertForSequenceClassification(_config(attention_probs_dropout_prob=0.3)).train()
+    assert uses_sdpa(plain.bert.encoder.layer[0].attention.self)  # torch's own nn.Dropout: SDPA drops
+
+
+def test_compiled_model_with_own_dropout_has_no_graph_breaks():
+    import torch._dynamo
+
+    model = _with_philox_attention_dropout()
+    assert unpadded_attention(model)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(**_batch(padded=True))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(model, dynamic=False)
+    out = compiled(**_batch(padded=True))
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())

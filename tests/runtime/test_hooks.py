@@ -5,12 +5,14 @@ import torch
 from torch import nn
 
 from accel.runtime import hooks
+from accel.runtime.nn.bias_dropout_add import PhiloxDropout
 from accel.runtime.nn.layer_norm import FusedLayerNorm
 
 from ._params import tol
 
 # The true originals, captured before any test can enable a hook.
 TORCH_LAYER_NORM = torch.nn.LayerNorm
+TORCH_DROPOUT = torch.nn.Dropout
 TORCH_ADAM = torch.optim.Adam
 TORCH_ADAMW = torch.optim.AdamW
 
@@ -22,8 +24,9 @@ def _always_restore():
         yield
     finally:
         hooks.disable_fused_layer_norm()
+        hooks.disable_philox_dropout()
         hooks.disable_fused_adam()
-        assert torch.nn.LayerNorm is TORCH_LAYER_NORM
+        assert torch.nn.LayerNorm is TORCH_LAYER_NORM and torch.nn.Dropout is TORCH_DROPOUT
         assert torch.optim.Adam is TORCH_ADAM and torch.optim.AdamW is TORCH_ADAMW
 
 
@@ -42,6 +45,23 @@ def test_layer_norm_hook_swaps_and_restores_the_class():
     assert not hooks.fused_layer_norm_enabled()
     assert torch.nn.LayerNorm is TORCH_LAYER_NORM and torch.nn.modules.LayerNorm is TORCH_LAYER_NORM
     assert type(nn.LayerNorm(8)) is TORCH_LAYER_NORM
+
+
+def test_dropout_hook_swaps_and_restores_the_class():
+    assert not hooks.philox_dropout_enabled()
+    hooks.enable_philox_dropout()
+    hooks.enable_philox_dropout()
+    assert hooks.philox_dropout_enabled()
+    assert torch.nn.Dropout is PhiloxDropout and torch.nn.modules.Dropout is PhiloxDropout
+    assert torch.nn.modules.dropout.Dropout is TORCH_DROPOUT  # pickling torch's own modules still works
+    m = nn.Dropout(0.3)
+    assert type(m) is PhiloxDropout and isinstance(m, TORCH_DROPOUT) and m.p == 0.3
+    buf = io.BytesIO()
+    torch.save(TORCH_DROPOUT(0.1), buf)
+    hooks.disable_philox_dropout()
+    assert not hooks.philox_dropout_enabled()
+    assert torch.nn.Dropout is TORCH_DROPOUT and torch.nn.modules.Dropout is TORCH_DROPOUT
+    assert type(nn.Dropout(0.3)) is TORCH_DROPOUT
 
 
 def test_enable_twice_and_disable_twice_are_harmless():

@@ -25,7 +25,7 @@ from tests.runtime._params import DEVICES
 TEST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 EXPECTED_OPS = {
-    "bias_dropout_add_fwd", "bias_dropout_add_bwd",
+    "bias_dropout_add_fwd", "bias_dropout_add_bwd", "dropout_mask",
     "dcn_v2_fwd", "dcn_v2_bwd",
     "fmha_swin_fwd", "fmha_swin_bwd",
     "fused_adam_step",
@@ -154,6 +154,10 @@ def _bias_dropout_add_bwd(device, dtype, gen, *, bias_grad=False):
     return _randn(x.shape, device, dtype, gen, requires_grad=bias_grad), rng_state, p, bias_grad
 
 
+def _dropout_mask(device, dtype, gen, *, p=0.3, size=(4, 6, 17)):
+    return list(size), p, torch.device(device)
+
+
 def _boxes(n, device, dtype, gen):
     xy = _rand((n, 2), device, torch.float64, gen, 0, 40)
     wh = _rand((n, 2), device, torch.float64, gen, 2, 20)
@@ -249,6 +253,9 @@ CASES = [
     Case("bias_dropout_add_fwd", "eval", _bias_dropout_add_fwd, (F32,), {"train": False}),
     Case("bias_dropout_add_bwd", "plain", _bias_dropout_add_bwd),
     Case("bias_dropout_add_bwd", "bias_grad", _bias_dropout_add_bwd, (F32, BF16), {"bias_grad": True}),
+    Case("dropout_mask", "plain", _dropout_mask, (F32,)),
+    Case("dropout_mask", "empty", _dropout_mask, (F32,), {"size": (0, 5)}),
+    Case("dropout_mask", "keep_all", _dropout_mask, (F32,), {"p": 0.0}),
     Case("nms", "plain", _nms),
     Case("nms", "scores_require_grad", _nms, (F32,), {"scores_grad": True}),
     Case("nms_soft", "gaussian", _nms_soft),

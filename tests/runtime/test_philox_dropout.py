@@ -1,0 +1,168 @@
+"""philox_dropout / PhiloxDropout / accel::dropout_mask against F.dropout's definition: y = mask * x / (1 - p),
+each element kept with probability 1 - p, computed in float64 from the mask the op drew. The mask itself is
+checked against the one bias_dropout_add draws after the same seed (its own tests check that one against the
+formula), and for its statistics."""
+import copy
+import io
+import math
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from accel.runtime.nn.bias_dropout_add import PhiloxDropout, _ops, bias_dropout_add, philox_dropout
+
+from ._params import DEVICES, DTYPES, tol
+
+SHAPES = [(7,), (3, 1001), (2, 5, 64), (0, 4), (129,)]
+
+
+def drawn_mask(shape, p, seed, device):
+    """The mask accel::dropout_mask draws after torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    return _ops().dropout_mask(list(shape), p, torch.device(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_mask_is_the_keep_rule_of_bias_dropout_add(device, shape, p):
+    mask = drawn_mask(shape, p, seed=4, device=device)
+    assert mask.dtype == torch.bool and mask.shape == shape and mask.device.type == device
+    torch.manual_seed(4)
+    out = bias_dropout_add(torch.ones(shape, device=device), None, torch.zeros(shape, device=device), p, True)
+    assert torch.equal(mask, out != 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_kept_fraction_is_binomial_in_every_lane(device, p):
+    n = 200_003
+    torch.manual_seed(1)
+    kept = _ops().dropout_mask([n], p, torch.device(device))
+    assert abs(kept.double().mean().item() - (1 - p)) <= 5 * math.sqrt(p * (1 - p) / n)  # 5 sigma
+    # the 4 words of a Philox draw and the 16 blocks drawn together keep ~(1 - p) each
+    for lanes in (4, 64):
+        frac = kept[: n - n % lanes].reshape(-1, lanes).double().mean(0)
+        assert torch.all((frac - (1 - p)).abs() <= 5 * math.sqrt(p * (1 - p) / (n // lanes)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_and_backward_match_the_formula(device, dtype, shape):
+    p = 0.3
+    mask = drawn_mask(shape, p, seed=7, device=device)
+    x = torch.randn(shape, device=device).to(dtype).requires_grad_()
+    torch.manual_seed(7)
+    y = philox_dropout(x, p)
+    expected = mask.double() * x.double() / (1 - p)
+    torch.testing.assert_close(y.double(), expected, **tol(dtype))
+    assert y.dtype == dtype
+    g = torch.randn(shape, device=device).to(dtype)
+    y.backward(g)
+    torch.testing.assert_close(x.grad.double(), mask.double() * g.double() / (1 - p), **tol(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_identity_and_torch_cases(device):
+    x = torch.randn(5, 9, device=device)
+    assert philox_dropout(x, 0.3, training=False) is x
+    assert philox_dropout(x, 0.0) is x
+    torch.testing.assert_close(philox_dropout(x, 1.0), torch.zeros_like(x), rtol=0, atol=0)
+    ints = torch.arange(6, device=device)
+    with pytest.raises(RuntimeError):  # F.dropout's own error for integer tensors
+        F.dropout(ints, 0.5)
+    with pytest.raises(RuntimeError):
+        philox_dropout(ints, 0.5)
+    y = x.clone()
+    out = philox_dropout(y, 0.5, inplace=True)  # F.dropout(inplace=True): writes into its input
+    assert out.data_ptr() == y.data_ptr() and torch.equal(out, y)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reproducible_under_manual_seed_and_different_across_calls(device):
+    x = torch.randn(64, 65, device=device)
+    torch.manual_seed(3)
+    a, b = philox_dropout(x, 0.5), philox_dropout(x, 0.5)
+    torch.manual_seed(3)
+    assert torch.equal(philox_dropout(x, 0.5), a)
+    assert not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_and_inf_propagate_like_torch_dropout(device):
+    n = 64
+    mask = drawn_mask((n,), 0.5, seed=9, device=device)
+    assert mask.any() and not mask.all()
+    x = torch.randn(n, device=device)
+    x[::3] = float("nan")
+    x[1::3] = float("inf")
+    torch.manual_seed(9)
+    out = philox_dropout(x, 0.5)
+    assert torch.equal(out.isnan(), x.isnan() | (x.isinf() & ~mask))
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.5, float("nan"), True, "0.1", None])
+def test_bad_p_names_the_argument(p):
+    with pytest.raises(ValueError, match="p: expected a number in"):
+        philox_dropout(torch.randn(3), p)
+
+
+def test_gradgradcheck_float64():
+    x = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+
+    def fn(x):
+        torch.manual_seed(2)  # the same mask at every evaluation
+        return philox_dropout(x * x, 0.4)
+
+    assert torch.autograd.gradcheck(fn, (x,))
+    assert torch.autograd.gradgradcheck(fn, (x,))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    x = torch.randn(8, 4, 33, requires_grad=True)
+
+    def fn(x):
+        return philox_dropout(x.softmax(-1), 0.2) * 3
+
+    compiled = torch.compile(fn, fullgraph=True)
+    torch.manual_seed(6)
+    eager = fn(x)
+    (gx_eager,) = torch.autograd.grad(eager.square().sum(), x)
+    torch.manual_seed(6)
+    out = compiled(x)
+    (gx,) = torch.autograd.grad(out.square().sum(), x)
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(gx, gx_eager)
+
+
+class TestPhiloxDropoutModule:
+    def test_is_an_nn_dropout_with_its_attributes(self):
+        m = PhiloxDropout(0.25)
+        assert isinstance(m, nn.Dropout) and m.p == 0.25 and not m.inplace
+        assert repr(m) == repr(nn.Dropout(0.25)).replace("Dropout", "PhiloxDropout")
+        assert m.state_dict() == {}
+        with pytest.raises(ValueError):  # nn.Dropout's own check
+            PhiloxDropout(2.0)
+
+    def test_train_draws_eval_is_identity(self):
+        m = PhiloxDropout(0.5)
+        x = torch.randn(40, 30)
+        torch.manual_seed(11)
+        y = m(x)
+        torch.manual_seed(11)
+        assert torch.equal(y, philox_dropout(x, 0.5))
+        assert m.eval()(x) is x
+
+    def test_pickles_and_copies(self):
+        m = nn.Sequential(nn.Linear(3, 3), PhiloxDropout(0.1))
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert type(loaded[1]) is PhiloxDropout and loaded[1].p == 0.1
+        assert type(copy.deepcopy(m)[1]) is PhiloxDropout
+        assert type(pickle.loads(pickle.dumps(m))[1]) is PhiloxDropout
