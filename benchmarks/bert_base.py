@@ -27,8 +27,8 @@ Modes (one row each, in this order, one process)
                  on CUDA), torch.compile(opt.step) of AdamW(fused=True where supported, lr as a tensor so
                  a new lr does not recompile), bf16 autocast where native else fp32; per-batch padding on
                  the guide workload, as the guide does.
-  accel-kernels  accel.runtime.hooks (fused LayerNorm and Adam) on before the model is built, eager,
-                 the precision of eager-amp (bf16 where native, else fp32).
+  accel-kernels  accel.runtime.hooks (fused LayerNorm, Philox dropout and Adam) on before the model is
+                 built, eager, the precision of eager-amp (bf16 where native, else fp32).
   accel-xla      the guide's XLA port (MpDeviceLoader, syncfree.AdamW, xm.optimizer_step) on torch_xla's
                  device; skipped where torch_xla is not installed.
   accel          accel.accelerate(model, loader, config) with compute.bf16 (accelerate stays fp32 on a CPU
@@ -57,10 +57,10 @@ seq x seq matmuls (QK^T and AV, 2 * 2 * len^2 * hidden per layer forward, x3 for
 Loss check (PASS/FAIL line, recorded in the JSON, exit status 1 on FAIL): in every workload the reference
 is the eager row (else the first row that ran). Rows that see the same batches (all but packed accel)
 must match its first-step loss within max(2e-2, 5 x the standard deviation dropout alone gives that
-batch's loss, measured over 5 masks): the modes that draw dropout masks from torch's generator in eager
-code (eager, eager-amp, accel-kernels) get the same masks, compiled and XLA modes draw their own. Every
-final loss must be finite and within 0.3 of the reference's. A mode that raises fails the check too (the
-other rows still run). Adam's lr is 2e-5 (--lr), BERT fine-tuning's usual rate: at 1e-4 a randomly
+batch's loss, measured over 5 masks): the modes that draw dropout masks with torch's dropout in eager
+code (eager, eager-amp) get the same masks; accel-kernels (Philox dropout), compiled modes (accel's on the
+CPU with Philox dropout too) and XLA draw their own. Every final loss must be finite and within 0.3 of the
+reference's. A mode that raises fails the check too (the other rows still run). Adam's lr is 2e-5 (--lr), BERT fine-tuning's usual rate: at 1e-4 a randomly
 initialised BERT-base's loss climbs within a few steps.
 
 Defaults (--quick: 2 layers, hidden 64, vocab 1000, batch 4, seq 32, guide max length 64, 2 steps)
@@ -449,6 +449,7 @@ def setup_accel_kernels(ctx: Context) -> Run:
 
     # The hooks act when modules and optimizers are constructed: build both while they are on.
     hooks.enable_fused_layer_norm()
+    hooks.enable_philox_dropout()
     hooks.enable_fused_adam()
     try:
         model = BertForSequenceClassification(ctx.initial_model.config).train()
@@ -456,7 +457,7 @@ def setup_accel_kernels(ctx: Context) -> Run:
         run = _eager_run(ctx, fast_dtype(ctx.device), model)
     finally:
         restore_hooks()
-    run.precision += ", fused LayerNorm + Adam"
+    run.precision += ", fused LayerNorm + Philox dropout + Adam"
     return run
 
 
@@ -614,11 +615,12 @@ def dropout_spread(model: torch.nn.Module, batch: dict, device: torch.device) ->
 
 
 def restore_hooks() -> None:
-    """Put torch's own LayerNorm and Adam back: accelerate() leaves accel's hooks on (for the optimizer
-    the user builds next), and the next mode must start from plain torch again."""
+    """Put torch's own LayerNorm, Dropout and Adam back: accelerate() leaves accel's hooks on (for the
+    optimizer the user builds next), and the next mode must start from plain torch again."""
     from accel.runtime import hooks
 
     hooks.disable_fused_layer_norm()
+    hooks.disable_philox_dropout()
     hooks.disable_fused_adam()
 
 
@@ -630,7 +632,7 @@ def run_mode(mode: str, ctx: Context, args) -> dict:
     try:
         run = SETUPS[mode](ctx)
         # Seeded after the set-up, which may draw numbers (accel-kernels builds a model): every mode that
-        # draws dropout masks from torch's generator in eager code then gets the same masks.
+        # draws dropout masks with torch's dropout in eager code then gets the same masks.
         torch.manual_seed(args.seed)
         raw = measure(run, args.warmup, args.steps, f"{ctx.workload.name} {mode}")
     except Skip as reason:
