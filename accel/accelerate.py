@@ -25,9 +25,10 @@ What it does, in order (each step says why it sits where it does):
    (accel.compiler.first_token; after checkpointing, which would recompute that layer outside the call).
 6. packing (dataloader.pack): the model is wrapped to take packed rows (accel.compiler.packed); the
    autocast of step 2 goes around that wrapper. With compute.first_token_only a packed sequence classifier's
-   last layer computes each sample's first token alone. Without packing, an encoder with "sdpa" attention
-   switches to accel's "accel_sdpa" (accel.compiler.unpadded_attention): the same attention, without a mask
-   when a batch has no padding mask, also under torch.compile (where transformers would build one).
+   last layer computes each sample's first token alone. An encoder with "sdpa" attention switches to accel's
+   "accel_sdpa" (accel.compiler.unpadded_attention): the same attention, without a mask when a batch has no
+   padding mask, also under torch.compile (where transformers would build one), and with the attention
+   module's own dropout layer where step 4 swapped it.
 7. compile (compute.compile): cuda and cpu compile the module in place with torch.compile, static
    shapes (one graph per bucket shape), CUDA graphs on cuda when compute.cuda_graphs. On xla the
    lazy-tensor device itself is the compiler.
@@ -66,6 +67,7 @@ from torch import nn
 
 from accel import distributed
 from accel.amp.autocast_mode import autocast
+from accel.compiler.unpadded_attention import unpadded_attention
 from accel.config import Config
 from accel.data.full_mask import reads_no_mask_as_full
 from accel.utils.cpu import native_bf16, warn_emulated_bf16
@@ -257,14 +259,13 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         from accel.checkpoint import auto_checkpoint
 
         auto_checkpoint(model, block_classes=config.memory.gc_cls, count=config.memory.gc_cnt)
+    # Packed rows always have a mask; "accel_sdpa" still gives their attention the model's own dropout layer.
+    unpadded_attention(model)
     if config.dataloader.pack:  # packed rows pool one token per sample: PackedModel cuts the last layer itself
         from accel.compiler.packed import PackedModel
 
         model = PackedModel(model, first_tokens_only=config.compute.first_token_only)
     else:
-        from accel.compiler.unpadded_attention import unpadded_attention
-
-        unpadded_attention(model)  # packed rows always have a mask
         if config.compute.first_token_only:
             from accel.compiler.first_token import first_token_only
 

@@ -19,10 +19,11 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from accel.compiler.first_token import last_layer_rows, sees_every_position
+from accel.compiler.unpadded_attention import ACCEL_SDPA, SDPA
 from accel.data.packing import LABEL_PAD, block_diagonal_mask
 
 FLEX = "flex_attention"
-BACKENDS = (FLEX, "sdpa", "eager")
+BACKENDS = (FLEX, SDPA, ACCEL_SDPA, "eager")
 # Heads whose loss is already per token: with attention kept per sample, the model's own loss over the packed
 # per-token labels is the loss over the same tokens unpacked.
 _TOKEN_HEADS = ("ForMaskedLM", "ForTokenClassification")
@@ -37,13 +38,14 @@ def document_mask(segment_ids: torch.Tensor, backend: str, dtype: torch.dtype = 
 
     Args:
         segment_ids: [B, L] integer tensor, 1, 2, ... per packed sample and 0 for the padding tail.
-        backend: the model's `config._attn_implementation`: "flex_attention", "sdpa" or "eager".
+        backend: the model's `config._attn_implementation`: "flex_attention", "sdpa", "accel_sdpa" or "eager".
         dtype: the model's floating dtype; used only by the additive mask for "eager".
 
     Returns:
         "flex_attention": a BlockMask of shape (B, 1, L, L) on segment_ids' device.
-        "sdpa": a bool tensor [B, 1, L, L], True where attention is allowed. Bool rather than additive because
-            SDPA needs a float mask in the query's dtype, which under autocast is not the model's dtype.
+        "sdpa", "accel_sdpa": a bool tensor [B, 1, L, L], True where attention is allowed. Bool rather than
+            additive because SDPA needs a float mask in the query's dtype, which under autocast is not the
+            model's dtype.
         "eager": an additive float tensor [B, 1, L, L] in `dtype`: 0 where allowed, dtype's minimum elsewhere.
     """
     if not isinstance(segment_ids, torch.Tensor) or segment_ids.dim() != 2:
@@ -64,7 +66,7 @@ def document_mask(segment_ids: torch.Tensor, backend: str, dtype: torch.dtype = 
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
     allowed = block_diagonal_mask(segment_ids, "bool").unsqueeze(1)  # [B, 1, L, L]
-    if backend == "sdpa":
+    if backend in (SDPA, ACCEL_SDPA):
         return allowed
     # Built from the bool mask on segment_ids' device (block_diagonal_mask's additive form allocates on the CPU).
     zero = torch.zeros((), dtype=dtype, device=segment_ids.device)
@@ -117,7 +119,7 @@ class PackedModel(nn.Module):
     Supported: encoder models (not decoders) whose class name ends in ForMaskedLM or ForTokenClassification
     (the model's own per-token loss is used), or ForSequenceClassification with a BERT-style head
     (`model.base_model.pooler` pooling the first token, then `model.dropout` and `model.classifier`),
-    single-label classification only; attention "flex_attention", "sdpa" or "eager".
+    single-label classification only; attention "flex_attention", "sdpa", "accel_sdpa" or "eager".
 
     The wrapped model is `self.model`, unchanged, and shares its parameters. `state_dict()` and
     `load_state_dict()` use the wrapped model's keys (no "model." prefix), so checkpoints move freely between
@@ -125,7 +127,7 @@ class PackedModel(nn.Module):
 
     A sequence classifier reads one position per sample of the encoder's last layer, so with `first_tokens_only`
     that layer computes those positions alone (accel.compiler.first_token; where the layer is built like
-    BertLayer and the attention is "sdpa" or "eager"), the rest of the row only as keys and values.
+    BertLayer and the attention is "sdpa", "accel_sdpa" or "eager"), the rest of the row only as keys and values.
 
     Args:
         model: the transformers model to wrap.

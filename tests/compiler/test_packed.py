@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from accel.compiler.packed import FLEX, PackedModel, document_mask
+from accel.compiler.unpadded_attention import ACCEL_SDPA, unpadded_attention
 from accel.data.packing import LABEL_PAD, PackedCollator, PackedDataset, block_diagonal_mask
 
 transformers = pytest.importorskip("transformers")
 
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))
 DEVICES = ["cpu", CUDA]
-BACKENDS = ["sdpa", "eager", FLEX]
+BACKENDS = ["sdpa", ACCEL_SDPA, "eager", FLEX]
 HEADS = {"sequence": transformers.BertForSequenceClassification, "token": transformers.BertForMaskedLM}
 LENGTHS = [7, 3, 11, 5, 9, 4, 6, 2]
 ROW = 16
@@ -31,6 +32,8 @@ def _tolerance(device):
 
 
 def _config(attn_implementation, **overrides):
+    if attn_implementation == ACCEL_SDPA:  # registered with transformers by switching a model to it
+        unpadded_attention(transformers.BertForSequenceClassification(_config("sdpa")))
     settings = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                     intermediate_size=64, max_position_embeddings=32, type_vocab_size=2, num_labels=NUM_LABELS,
                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
@@ -197,7 +200,7 @@ def test_document_mask_reaches_attention_unchanged(backend):
     if backend == FLEX:
         from torch.nn.attention.flex_attention import create_mask
         dense = create_mask(mask.mask_mod, 2, 1, 7, 7, device="cpu")
-    elif backend == "sdpa":
+    elif backend in ("sdpa", ACCEL_SDPA):
         assert mask.dtype == torch.bool
         dense = mask
     else:
