@@ -1,8 +1,12 @@
 """Benchmark rows for the fused bias-dropout-add: ours vs torch eager (x + bias, F.dropout, + residual:
-three kernels and a stored mask) and torch.compile of the same reference (one fused kernel)."""
+three kernels and a stored mask) and torch.compile of the same reference (one fused kernel). And for
+philox_dropout, whose mask comes from accel::dropout_mask: alone against F.dropout eager and compiled, and
+compiled behind a softmax (attention probabilities) against the same code with F.dropout, where the
+multiply fuses into the softmax kernel and only the mask's source differs."""
 import torch
+import torch.nn.functional as F
 
-from accel.runtime.nn.bias_dropout_add import bias_dropout_add, bias_dropout_add_reference
+from accel.runtime.nn.bias_dropout_add import bias_dropout_add, bias_dropout_add_reference, philox_dropout
 
 from . import Case
 
@@ -40,6 +44,30 @@ def cases(device: str, quick: bool) -> list[Case]:
                 "torch eager": lambda step=step: step(bias_dropout_add_reference),
                 "torch.compile(ref)": lambda step=step: step(compiled_ref),
             }))
+    return out + _philox_dropout_cases(device, rows_list)
+
+
+def _softmax_dropout(dropout):
+    return lambda x: dropout(x.softmax(-1), P)
+
+
+def _philox_dropout_cases(device: str, rows_list) -> list[Case]:
+    compiled_torch = torch.compile(F.dropout)
+    compiled_ours, compiled_theirs = torch.compile(_softmax_dropout(philox_dropout)), torch.compile(
+        _softmax_dropout(F.dropout))
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in rows_list:
+            x = torch.randn(rows, HIDDEN, device=device, dtype=dtype)
+            nbytes = x.numel() * x.element_size()
+            label = f"{x.numel() / 2**20:g}M {str(dtype).replace('torch.', '')}"
+            # reads x, writes the output and the one-byte mask
+            out.append(Case("philox_dropout fwd", label, 2 * nbytes + x.numel(), lambda x=x: philox_dropout(x, P), {
+                "torch eager": lambda x=x: F.dropout(x, P),
+                "torch.compile(F.dropout)": lambda x=x: compiled_torch(x, P),
+            }))
+            out.append(Case("compiled softmax+philox_dropout fwd", label, 2 * nbytes + x.numel(),
+                            lambda x=x: compiled_ours(x), {"compiled softmax+F.dropout": lambda x=x: compiled_theirs(x)}))
     return out
 
 
