@@ -197,6 +197,15 @@ def test_no_kernels_where_torch_wins_or_when_switched_off(monkeypatch):
     assert not hooks.fused_adam_enabled()
 
 
+def dropping_bert(p=0.2):
+    """tiny_bert with every dropout layer at p."""
+    model = tiny_bert()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = p
+    return model
+
+
 def test_cpu_dropout_layers_switch_to_philox_dropout_in_this_model_only():
     """The measured policy on the CPU: this model's nn.Dropout layers draw with accel's Philox kernel; no
     process-wide hook, so a model built afterwards (a peer in the same process) keeps torch's dropout."""
@@ -205,13 +214,6 @@ def test_cpu_dropout_layers_switch_to_philox_dropout_in_this_model_only():
 
     assert policy.helpful_kernels("cpu", True, None) == {policy.DROPOUT} == policy.helpful_kernels("cpu", False, None)
     assert not policy.helpful_kernels("cuda", True, torch.bfloat16) and not policy.helpful_kernels("xla", False, None)
-
-    def dropping_bert():
-        model = tiny_bert()
-        for m in model.modules():
-            if isinstance(m, nn.Dropout):
-                m.p = 0.2
-        return model
 
     ref, model = dropping_bert(), dropping_bert()
     accel.accelerate(model, config=cpu_config(compile=False))
@@ -230,6 +232,28 @@ def test_cpu_dropout_layers_switch_to_philox_dropout_in_this_model_only():
     assert not torch.allclose(first, model(**batch).logits)  # it drops, a new mask each call
     unswitched = accel.accelerate(dropping_bert(), config=cpu_config(compile=False, kernels=False))
     assert all(type(m) is nn.Dropout for m in unswitched.modules() if isinstance(m, nn.Dropout))
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_checkpointed_blocks_recompute_the_same_philox_masks(compile):
+    """memory.gc recomputes each block's forward in the backward: its dropout must draw the masks of the first
+    forward (torch's checkpoint restores the generator; compiled, AOTAutograd saves and replays its state around
+    accel::dropout_mask), so gradients equal those of the same model without checkpointing. One dropout layer
+    draws (inside a checkpointed block): Inductor may order the draws of several layers differently in the two
+    compiled graphs, which would change which layer gets which mask, not whether a recompute repeats one."""
+    batch = pad_to_longest(samples([6, 4, 5]))
+    grads = []
+    for gc in (False, True):
+        config = cpu_config(compile=compile)
+        config.memory.gc = gc
+        model = tiny_bert()
+        model.bert.encoder.layer[0].output.dropout.p = 0.3
+        model = accel.accelerate(model, config=config)
+        torch.manual_seed(3)
+        model(**batch).loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_torch_adam_at_its_defaults_switches_to_the_fused_kernel_and_trains_the_same():

@@ -401,7 +401,7 @@ ACCEL_AVX512 void mask_chunks_avx512(bool* out, int64_t n, int64_t begin, int64_
 }
 #endif
 
-// dropout_mask(size, p, device) -> bool tensor of `size`, true where an element is kept: the keep rule of
+// dropout_mask(size, p, *, device) -> bool tensor of `size`, true where an element is kept: the keep rule of
 // the forward above for a fresh rng_state (seed drawn from torch's CPU generator, offset 0), written as
 // one byte per element. p = 0 keeps everything and p = 1 nothing, without drawing.
 at::Tensor dropout_mask_cpu(c10::SymIntArrayRef size, double p, at::Device device) {
@@ -452,8 +452,10 @@ TORCH_LIBRARY_FRAGMENT(accel, m) {
   // (dx, dbias): dbias is dx summed over every dim but the last when bias_grad, else an empty tensor
   m.def("bias_dropout_add_bwd(Tensor grad, Tensor rng_state, float p, bool bias_grad) -> (Tensor, Tensor)");
   // The keep mask alone (bool, true = kept), for a dropout written as x * mask / (1 - p) in plain ops
-  // that a compiler fuses with their neighbours; nondeterministic_seeded as the forward.
-  m.def("dropout_mask(SymInt[] size, float p, Device device) -> Tensor", {at::Tag::nondeterministic_seeded});
+  // that a compiler fuses with their neighbours; nondeterministic_seeded as the forward. device is
+  // keyword-only, as in torch's factory functions: a graph that recomputes a random op under activation
+  // checkpointing (torch's run_and_save_rng_state) finds the device of an op without tensor inputs there.
+  m.def("dropout_mask(SymInt[] size, float p, *, Device device) -> Tensor", {at::Tag::nondeterministic_seeded});
 }
 
 TORCH_LIBRARY_IMPL(accel, BackendSelect, m) {

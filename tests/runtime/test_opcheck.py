@@ -80,6 +80,10 @@ def accel_ops():
 # ---------------------------------------------------------------- sample inputs
 
 
+class Keywords(dict):
+    """The keyword-only arguments of a case, last in what its make() returns."""
+
+
 def _randn(shape, device, dtype, gen, requires_grad=False, scale=1.0):
     t = (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
     return t.requires_grad_(requires_grad)
@@ -155,7 +159,7 @@ def _bias_dropout_add_bwd(device, dtype, gen, *, bias_grad=False):
 
 
 def _dropout_mask(device, dtype, gen, *, p=0.3, size=(4, 6, 17)):
-    return list(size), p, torch.device(device)
+    return list(size), p, Keywords(device=torch.device(device))
 
 
 def _boxes(n, device, dtype, gen):
@@ -296,4 +300,6 @@ def test_every_accel_op_has_cases(accel_ops):
 def test_opcheck(accel_ops, device, case, dtype):
     gen = torch.Generator().manual_seed(0)
     args = case.make(device, dtype, gen, **case.kwargs)
-    torch.library.opcheck(getattr(torch.ops.accel, case.op).default, args, test_utils=TEST_UTILS)
+    kwargs = dict(args[-1]) if args and isinstance(args[-1], Keywords) else {}
+    args = args[:-1] if kwargs else args
+    torch.library.opcheck(getattr(torch.ops.accel, case.op).default, args, kwargs, test_utils=TEST_UTILS)

@@ -22,7 +22,7 @@ SHAPES = [(7,), (3, 1001), (2, 5, 64), (0, 4), (129,)]
 def drawn_mask(shape, p, seed, device):
     """The mask accel::dropout_mask draws after torch.manual_seed(seed)."""
     torch.manual_seed(seed)
-    return _ops().dropout_mask(list(shape), p, torch.device(device))
+    return _ops().dropout_mask(list(shape), p, device=torch.device(device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -41,7 +41,7 @@ def test_mask_is_the_keep_rule_of_bias_dropout_add(device, shape, p):
 def test_kept_fraction_is_binomial_in_every_lane(device, p):
     n = 200_003
     torch.manual_seed(1)
-    kept = _ops().dropout_mask([n], p, torch.device(device))
+    kept = _ops().dropout_mask([n], p, device=torch.device(device))
     assert abs(kept.double().mean().item() - (1 - p)) <= 5 * math.sqrt(p * (1 - p) / n)  # 5 sigma
     # the 4 words of a Philox draw and the 16 blocks drawn together keep ~(1 - p) each
     for lanes in (4, 64):

@@ -87,7 +87,7 @@ def _register():
 
     torch.library.register_fake("accel::bias_dropout_add_bwd")(fake_bwd)
 
-    def fake_mask(size, p, device):
+    def fake_mask(size, p, *, device):
         return torch.empty(size, dtype=torch.bool, device=device)
 
     torch.library.register_fake("accel::dropout_mask")(fake_mask)
@@ -184,7 +184,7 @@ def philox_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inpla
         return x
     if inplace or p == 1.0 or not isinstance(x, torch.Tensor) or not x.is_floating_point() or not use_kernel(x):
         return F.dropout(x, p, training, inplace)
-    mask = _ops().dropout_mask(x.shape, float(p), x.device)
+    mask = _ops().dropout_mask(x.shape, float(p), device=x.device)
     return mask * x * (1.0 / (1.0 - p))
 
 
