@@ -313,6 +313,13 @@ bool backward_avx512(const at::Tensor& grad, at::Tensor& dx, uint64_t seed, uint
   return false;
 }
 
+// A Philox key: one 64-bit draw from torch's default CPU generator, under its mutex.
+uint64_t draw_seed() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
+}
+
 // Returns (out, rng_state). rng_state = [seed, offset] as int64 (the seed's bits reinterpreted);
 // with training off or p == 0 nothing is drawn and rng_state is [0, 0].
 std::tuple<at::Tensor, at::Tensor> bias_dropout_add_fwd_cpu(const at::Tensor& x,
@@ -323,12 +330,7 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_add_fwd_cpu(const at::Tensor& x,
   auto out = at::empty_like(in.x);
   auto rng_state = at::zeros({2}, x.options().dtype(at::kLong));
   const bool dropout = train && p > 0.0;
-  uint64_t seed = 0;
-  if (dropout) {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    seed = at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
-  }
+  const uint64_t seed = dropout ? draw_seed() : 0;
   int64_t* state = rng_state.mutable_data_ptr<int64_t>();
   state[0] = static_cast<int64_t>(seed);
   state[1] = 0;
@@ -409,12 +411,7 @@ at::Tensor dropout_mask_cpu(c10::SymIntArrayRef size, double p, at::Device devic
   auto mask = at::empty(C10_AS_INTARRAYREF_SLOW(size), at::TensorOptions().dtype(at::kBool).device(device));
   const int64_t n = mask.numel();
   if (n == 0 || p == 0.0 || p == 1.0) return mask.fill_(p == 0.0);
-  uint64_t seed = 0;
-  {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    seed = at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
-  }
+  const uint64_t seed = draw_seed();
   const uint64_t threshold = keep_threshold(p);
   bool* out = mask.mutable_data_ptr<bool>();
   at::parallel_for(0, (n + kChunk - 1) / kChunk, kGrainChunks, [&](int64_t begin, int64_t end) {

@@ -242,6 +242,14 @@ void with_bool(bool b, F&& f) {
   }
 }
 
+// One call's (seed, offset) from `device`'s default generator, under its mutex: 4 draws per subsequence.
+at::PhiloxCudaState reserve_philox(c10::DeviceIndex device) {
+  auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+      std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(device));
+  std::lock_guard<std::mutex> lock(gen->mutex_);
+  return gen->philox_cuda_state(kDrawsPerSubsequence);
+}
+
 std::tuple<at::Tensor, at::Tensor> bias_dropout_add_fwd_cuda(const at::Tensor& x_,
                                                              const std::optional<at::Tensor>& bias_,
                                                              const at::Tensor& residual_, double p, bool train) {
@@ -274,13 +282,7 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_add_fwd_cuda(const at::Tensor& x
   const int64_t grid = grid_for((n + 3) / 4);
   const int64_t col_step = (4 * grid * kThreads) % cols;
   const Keep keep{keep_threshold(p), keep_scale(p)};
-  at::PhiloxCudaState philox;
-  if (dropout) {
-    auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
-        std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(x.get_device()));
-    std::lock_guard<std::mutex> lock(gen->mutex_);
-    philox = gen->philox_cuda_state(kDrawsPerSubsequence);
-  }
+  const at::PhiloxCudaState philox = dropout ? reserve_philox(x.get_device()) : at::PhiloxCudaState();
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bias_dropout_add_fwd_cuda", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
@@ -373,13 +375,7 @@ at::Tensor dropout_mask_cuda(c10::SymIntArrayRef size, double p, at::Device devi
   auto mask = at::empty(C10_AS_INTARRAYREF_SLOW(size), at::TensorOptions().dtype(at::kBool).device(device));
   const int64_t n = mask.numel();
   if (n == 0 || p == 0.0 || p == 1.0) return mask.fill_(p == 0.0);
-  at::PhiloxCudaState philox;
-  {
-    auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
-        std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(mask.get_device()));
-    std::lock_guard<std::mutex> lock(gen->mutex_);
-    philox = gen->philox_cuda_state(kDrawsPerSubsequence);
-  }
+  const at::PhiloxCudaState philox = reserve_philox(mask.get_device());
   const auto grid = static_cast<unsigned>(grid_for((n + 3) / 4));
   dropout_mask_kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(mask.mutable_data_ptr<bool>(), n,
                                                                                  philox, keep_threshold(p));
