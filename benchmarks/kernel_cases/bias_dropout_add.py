@@ -53,8 +53,8 @@ def _softmax_dropout(dropout):
 
 def _philox_dropout_cases(device: str, rows_list) -> list[Case]:
     compiled_torch = torch.compile(F.dropout)
-    compiled_ours, compiled_theirs = torch.compile(_softmax_dropout(philox_dropout)), torch.compile(
-        _softmax_dropout(F.dropout))
+    compiled_ours = torch.compile(_softmax_dropout(philox_dropout))
+    compiled_theirs = torch.compile(_softmax_dropout(F.dropout))
     out = []
     for dtype in (torch.float32, torch.bfloat16):
         for rows in rows_list:
