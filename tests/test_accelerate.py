@@ -404,6 +404,25 @@ def test_compiled_training_matches_eager():
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
+
+@pytest.mark.slow
+def test_compiled_bf16_forward_is_one_graph_under_autocast(monkeypatch):
+    """compute.bf16 with compile: the autocast region around the forward is traced into the graph (it
+    failed inside Dynamo once, found on the first CPU with native bf16), giving eager autocast's logits."""
+    monkeypatch.setattr(accelerate_module, "native_bf16", lambda: True)
+    torch._dynamo.reset()
+    ref, model = tiny_bert(), tiny_bert()
+    model = accel.accelerate(model, config=cpu_config(kernels=False, bf16=True))
+    batch = pad_to_longest(samples([6, 4]))
+    logits = model(**batch).logits
+    assert logits.dtype is torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = ref(**batch).logits
+    torch.testing.assert_close(logits, expected, rtol=0.02, atol=0.02)  # Inductor's bf16 rounding differs
+    model(**batch)["logits"].float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype is torch.float32 for p in model.parameters() if p.requires_grad)
+
+
 # --------------------------------------------------------------------------- xla
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ from accel.utils.xla import require_xla, xla_available, xla_on_cpu_client
 _DEFAULT_DTYPE = {"xla": torch.bfloat16, "cpu": torch.bfloat16, "cuda": torch.float16}
 
 
+@torch.compiler.assume_constant_result  # inside a compiled region: a constant, not a graph break
 def default_device_type() -> str:
     """The device type autocast() uses when none is given (see the module docstring)."""
     if xla_available() and os.environ.get("PJRT_DEVICE"):
@@ -66,21 +67,22 @@ def _runs_on_cpu(device_type: str) -> bool:
     return device_type == "xla" and xla_on_cpu_client()
 
 
-class autocast(torch.amp.autocast_mode.autocast):
-    """Mixed-precision region; a context manager and a decorator, like torch.autocast.
+def autocast(
+    device_type: Optional[str] = None,
+    dtype: Optional[torch.dtype] = None,
+    enabled: bool = True,
+    cache_enabled: Optional[bool] = None,
+) -> torch.autocast:
+    """A mixed-precision region: torch.autocast for the device and dtype the module docstring picks, a
+    context manager and a decorator. ``autocast("cuda", dtype=torch.bfloat16)`` is exactly
+    ``torch.autocast("cuda", dtype=torch.bfloat16)``.
 
-    ``autocast()`` picks the device and dtype as the module docstring says;
-    ``autocast("cuda", dtype=torch.bfloat16)`` behaves exactly as torch.autocast does.
+    A function returning torch.autocast (not a subclass of it): torch.compile traces torch.autocast itself,
+    so ``with autocast():`` inside a compiled function or model is part of the graph. There the arguments
+    go to torch.autocast unchecked (it checks them itself), without the emulated-bf16 warning.
     """
-
-    def __init__(
-        self,
-        device_type: Optional[str] = None,
-        dtype: Optional[torch.dtype] = None,
-        enabled: bool = True,
-        cache_enabled: Optional[bool] = None,
-    ):
-        device = _device_type_of(device_type)
+    device = _device_type_of(device_type)
+    if not torch.compiler.is_compiling():
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype: expected None or a torch.dtype, got {dtype!r}")
         if not isinstance(enabled, bool):
@@ -92,7 +94,5 @@ class autocast(torch.amp.autocast_mode.autocast):
         if device == "xla":
             # Registers the XLA backend so the "xla" autocast key has kernels behind it.
             require_xla("accel.amp.autocast on xla")
-        super().__init__(
-            device, dtype=dtype if dtype is not None else default_dtype(device), enabled=enabled,
-            cache_enabled=cache_enabled,
-        )
+    return torch.autocast(device, dtype=dtype if dtype is not None else default_dtype(device), enabled=enabled,
+                          cache_enabled=cache_enabled)

@@ -136,3 +136,24 @@ def test_native_bf16_follows_the_cpu_flags(monkeypatch):
         assert cpu.native_bf16() is expected
     finally:
         cpu.native_bf16.cache_clear()
+
+
+@pytest.mark.parametrize("form", ["with", "decorator"])
+def test_traced_into_a_compiled_graph_without_a_break(form):
+    """autocast inside torch.compile(fullgraph=True): Dynamo traces the region (a graph break would raise)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 16, generator=g), torch.randn(16, 4, generator=g)
+
+    if form == "with":
+        def fn(a, b):
+            with autocast("cpu", dtype=torch.bfloat16):
+                return (a @ b) * 2
+    else:
+        @autocast("cpu", dtype=torch.bfloat16)
+        def fn(a, b):
+            return (a @ b) * 2
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="aot_eager", fullgraph=True)(a, b)
+    assert out.dtype is torch.bfloat16
+    torch.testing.assert_close(out, (a.bfloat16() @ b.bfloat16()) * 2, rtol=0, atol=0)
