@@ -125,8 +125,14 @@ def entries(op: str, register: Callable[[], None] | None = None) -> ModuleType:
     """`op`'s extension module, once loaded and registered like `ops`: its functions are the ops'
     Python entries (csrc/autograd/python_entry.h), the light path of a model's common call. Eager
     only; under torch.compile call `ops`."""
-    _ensure_loaded(op, register)
-    return load(op)
+    module = _entry_modules.get(op)  # per call: one dict lookup (import_module's costs ~1 us)
+    if module is None:
+        _ensure_loaded(op, register)
+        module = _entry_modules[op] = load(op)
+    return module
+
+
+_entry_modules: dict[str, ModuleType] = {}
 
 
 # Dynamo runs a function marked assume_constant_result for real while it traces and keeps only

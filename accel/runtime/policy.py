@@ -28,6 +28,12 @@ Evidence (same data and seed in one process):
   3.7 ms against 12.6 ms. BERT-base 8x128 training step through accelerate() (accel_sdpa, AdamW), same
   process, alternating: compiled 3.41 s against 3.76 s (1.10x), eager 3.30 s against 3.45 s (1.05x).
   On CUDA torch's dropout kernels and Inductor's Triton code draw vectorised Philox already: unmeasured, off.
+- CPU with AVX-512 and AVX512-BF16 (AMD EPYC, 2 cores), torch 2.9 (2026-11-26), where accel's AVX-512 loops
+  run: LayerNorm alone 1.0-1.8x torch's forward and 0.95-2.6x its backward (bf16 [4096, 768] backward
+  2.6x); fused Adam over 109.5M fp32 parameters 0.66-1.00x torch's fused=True (bf16 parameters 1.1-1.3x,
+  but autocast keeps parameters fp32). Yet in BERT-base 8x128 eager training, alternating steps with and
+  without the LayerNorm hook, three runs gave 1.04x, 1.00x (bf16 autocast) and 1.02x (fp32): 25 LayerNorms
+  are a few ms of a 2.2-3.7 s step, inside this host's +-4% noise. Not a measured win, so still off.
 So the one hook that wins today is PhiloxDropout on the CPU, compiled or not. This table is where the
 kernel-library issue (9) turns the others on, device by device, as each one beats torch's best in a
 measured run.
