@@ -13,8 +13,8 @@ What it does, in order (each step says why it sits where it does):
    an accelerator (TPU: PJRT_DEVICE names it, or libtpu is installed), else cpu. XLA's CPU client is
    slower than eager on the same CPU (measured), so 'auto' leaves it to an explicit backend='xla'.
 2. precision: compute.bf16 / compute.fp16 become an autocast around the (outermost) model's forward. On a CPU
-   (and the XLA CPU client) without native bf16 it stays fp32 and says so once: emulated bf16 is many
-   times slower there (accel.utils.cpu). fp16 needs a GradScaler: use accel.amp.GradScaler (sync-free).
+   (and the XLA CPU client) without native arithmetic in that dtype it stays fp32 and says so once: emulated
+   bf16/fp16 is many times slower there (accel.utils.cpu). fp16 needs a GradScaler: use accel.amp.GradScaler (sync-free).
 3. the model moves to the device.
 4. kernels: the library's hooks where they win on this device (accel.runtime.policy). LayerNorm and Dropout
    modules already built are switched to FusedLayerNorm / PhiloxDropout in place (same parameters); fused
@@ -69,7 +69,7 @@ from accel import distributed
 from accel.compiler.unpadded_attention import unpadded_attention
 from accel.config import Config
 from accel.data.full_mask import reads_no_mask_as_full
-from accel.utils.cpu import native_bf16, warn_emulated_bf16
+from accel.utils.cpu import native, warn_emulated
 from accel.utils.xla import require_xla, xla_available, xla_on_accelerator, xla_on_cpu_client
 
 __all__ = ["accelerate", "resolve_backend"]
@@ -106,9 +106,9 @@ def _autocast_dtype(config: Config, backend: str) -> torch.dtype | None:
     if wanted is None:
         return None
     on_cpu = backend == "cpu" or (backend == "xla" and xla_on_cpu_client())
-    if on_cpu and not native_bf16():
-        name = "compute.bf16" if wanted is torch.bfloat16 else "compute.fp16"
-        warn_emulated_bf16(f"accelerate(): {name} stays fp32 on this CPU", stacklevel=4)  # the user's call
+    short = "bf16" if wanted is torch.bfloat16 else "fp16"
+    if on_cpu and not native(short):
+        warn_emulated(f"accelerate(): compute.{short} stays fp32 on this CPU", short, stacklevel=4)  # the user's call
         return None
     return wanted
 

@@ -75,8 +75,9 @@ class _Section:
 class ComputeConfig(_Section):
     """How the model computes.
 
-    fp16 / bf16: autocast to that dtype (exclusive). bf16 on a CPU without native bf16 (AMX or
-        AVX512-BF16) is emulated and many times slower; accelerate() then stays in fp32 and says so once.
+    fp16 / bf16: autocast to that dtype (exclusive). On a CPU without native bf16 (AMX or AVX512-BF16),
+        resp. fp16 (AVX512-FP16 or AMX-FP16), the dtype is emulated and many times slower; accelerate()
+        then stays in fp32 and says so once.
     compile: run the model as static graphs (torch.compile on cuda/cpu; the XLA device on xla).
     cuda_graphs: replay the compiled step with CUDA graphs (cuda backend only; needs compile).
     kernels: use accel's kernel library where it beats what the backend already does on this device

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from accel.utils.cpu import native_bf16, warn_emulated_bf16
+from accel.utils.cpu import native_bf16, warn_emulated
 from accel.utils.xla import require_xla, xla_available, xla_on_cpu_client
 
 _DEFAULT_DTYPE = {"xla": torch.bfloat16, "cpu": torch.bfloat16, "cuda": torch.float16}
@@ -90,7 +90,7 @@ def autocast(
         if not _autocast_available(device):
             raise ValueError(f"device_type: autocast does not support device type {device!r}")
         if dtype is None and enabled and _runs_on_cpu(device) and not native_bf16():
-            warn_emulated_bf16("accel.amp.autocast() defaults to bf16")
+            warn_emulated("accel.amp.autocast() defaults to bf16")
         if device == "xla":
             # Registers the XLA backend so the "xla" autocast key has kernels behind it.
             require_xla("accel.amp.autocast on xla")

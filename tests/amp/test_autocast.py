@@ -124,18 +124,24 @@ def test_no_arguments_warns_once_on_a_cpu_without_native_bf16(monkeypatch):
         autocast()                                   # native bf16: nothing to say
 
 
-def test_native_bf16_follows_the_cpu_flags(monkeypatch):
+def test_native_bf16_and_fp16_follow_the_cpu_flags(monkeypatch):
     import accel.utils.cpu as cpu
 
-    monkeypatch.setattr(cpu, "_torch_says_bf16", lambda: None)   # fall back to /proc/cpuinfo
+    monkeypatch.setattr(cpu, "_torch_probes", lambda names: None)   # fall back to /proc/cpuinfo
     cpu.native_bf16.cache_clear()
+    cpu.native_fp16.cache_clear()
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-        expected = "avx512_bf16" in flags or "amx_bf16" in flags
-        assert cpu.native_bf16() is expected
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        except OSError:
+            flags = []
+        assert cpu.native_bf16() is ("avx512_bf16" in flags or "amx_bf16" in flags)
+        assert cpu.native_fp16() is ("avx512_fp16" in flags or "amx_fp16" in flags)
+        assert cpu.native("bf16") is cpu.native_bf16() and cpu.native("fp16") is cpu.native_fp16()
     finally:
         cpu.native_bf16.cache_clear()
+        cpu.native_fp16.cache_clear()
 
 
 @pytest.mark.parametrize("form", ["with", "decorator"])
