@@ -801,15 +801,30 @@ def apply_defaults(args) -> None:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
 
 
+# Dynamo settings that importing torch_xla changes for the whole process (torch_xla/__init__.py).
+# automatic_dynamic_shapes=False made the peer, run in the same process as the XLA modes, compile again for
+# every padded length of the guide workload (6 graphs in 6 steps instead of 2): not what a user of
+# torch.compile gets. The XLA modes run lazy tensors, not Dynamo, so torch's values are put back.
+XLA_DYNAMO_SETTINGS = ("automatic_dynamic_shapes", "specialize_float")
+
+
 def start_xla_if_needed(modes: list[str]) -> None:
     """Start the XLA runtime before any eager backward (torch's autograd engine sizes its per-device
-    queues at the first backward; an XLA device that appears later has none)."""
+    queues at the first backward; an XLA device that appears later has none), for the modes that run on
+    XLA only: accel-xla, and accel where accelerate()'s backend 'auto' is xla (a TPU)."""
+    from accel.accelerate import resolve_backend
     from accel.utils.xla import xla_available
 
-    if xla_available() and {"accel-xla", "accel"} & set(modes):
-        import accel.xla as xm
+    if not xla_available() or not ("accel-xla" in modes or ("accel" in modes and resolve_backend("auto") == "xla")):
+        return
+    import torch._dynamo
 
-        xm.xla_device()
+    saved = {name: getattr(torch._dynamo.config, name) for name in XLA_DYNAMO_SETTINGS}
+    import accel.xla as xm
+
+    xm.xla_device()
+    for name, value in saved.items():
+        setattr(torch._dynamo.config, name, value)
 
 
 def run_workload(workload: Workload, initial_model, args, started: float,

@@ -2,11 +2,18 @@
 its data, counting and loss-check helpers do what the benchmark's docstring says."""
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from accel.utils.xla import xla_available
 from benchmarks import bert_base
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(tmp_path, *flags):
@@ -101,3 +108,25 @@ def test_size_and_mode_flags():
     args = bert_base.parse_args(["--device", "cpu", "--batch", "16", "--seq", "512"])
     assert args.fixed_sizes == ((16, 512),) and args.guide_batch == 16 and args.workload == "fixed"
     assert args.out == "bert_base_cpu"
+
+
+# In a fresh process: importing torch_xla changes Dynamo's settings once per process.
+START_XLA = """
+import sys, torch._dynamo
+from benchmarks.bert_base import XLA_DYNAMO_SETTINGS, start_xla_if_needed
+before = {name: getattr(torch._dynamo.config, name) for name in XLA_DYNAMO_SETTINGS}
+start_xla_if_needed(sys.argv[1].split(","))
+after = {name: getattr(torch._dynamo.config, name) for name in XLA_DYNAMO_SETTINGS}
+print("torch_xla" in sys.modules, before == after, before["automatic_dynamic_shapes"])
+"""
+
+
+@pytest.mark.skipif(not xla_available(), reason="checks what starting torch_xla does; torch_xla is not installed")
+@pytest.mark.parametrize("modes, imports_xla", [("eager,peer,accel", False), ("eager,peer,accel-xla", True)])
+def test_xla_starts_only_for_the_xla_modes_and_leaves_dynamo_as_torch_sets_it(modes, imports_xla):
+    """accel runs on the cpu (or cuda) backend here; the peer keeps Dynamo's automatic dynamic shapes either way."""
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    proc = subprocess.run([sys.executable, "-c", START_XLA, modes], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-3:] == [str(imports_xla), "True", "True"]
