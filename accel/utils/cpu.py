@@ -26,10 +26,6 @@ def _torch_probes(names: tuple[str, ...]) -> bool | None:
     return any(bool(p()) for p in probes)
 
 
-def _torch_says_bf16() -> bool | None:
-    return _torch_probes(("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-
-
 def _cpuinfo_has(wanted: tuple[str, ...]) -> bool:
     """Whether /proc/cpuinfo's flags name any of `wanted` (False where there is no such file)."""
     try:
@@ -46,7 +42,7 @@ def _cpuinfo_has(wanted: tuple[str, ...]) -> bool:
 @functools.cache
 def native_bf16() -> bool:
     """True when this CPU has bf16 arithmetic in hardware (AVX512-BF16 or AMX)."""
-    from_torch = _torch_says_bf16()
+    from_torch = _torch_probes(("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
     return _cpuinfo_has(_CPUINFO_BF16_FLAGS) if from_torch is None else from_torch
 
 
