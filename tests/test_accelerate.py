@@ -436,6 +436,35 @@ def test_compiled_bf16_forward_is_one_graph_under_autocast(monkeypatch):
     assert all(p.grad is not None and p.grad.dtype is torch.float32 for p in model.parameters() if p.requires_grad)
 
 
+
+@pytest.mark.slow
+def test_compiled_fp16_step_with_the_sync_free_scaler_skips_an_inf_step(monkeypatch):
+    """The fp16 step of tests/compiler/test_cuda_step.py on the CPU compile path (fp16 autocast forced on):
+    compiled forward, accel's GradScaler and a compiled syncfree.AdamW step; an inf loss changes no weight
+    and halves the scale."""
+    from accel.amp import GradScaler, syncfree
+
+    monkeypatch.setattr(cpu_module, "native_fp16", lambda: True)
+    torch._dynamo.reset()
+    config = cpu_config(kernels=False, fp16=True)
+    config.dataloader.buckets = [32]  # one shape, one graph
+    model, wrapped = accel.accelerate(tiny_bert(), loader(LENGTHS * 2, batch_size=2), config)
+    opt, scaler = syncfree.AdamW(model.parameters(), lr=1e-3), GradScaler("cpu")
+    inf_step = 5
+    for i, batch in enumerate(wrapped):
+        out = model(**batch)
+        assert out["logits"].dtype is torch.float16
+        loss = out["loss"] * float("inf") if i == inf_step else out["loss"]
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=False)
+        changed = [not torch.equal(b, p) for b, p in zip(before, model.parameters())]
+        assert not any(changed) if i == inf_step else any(changed), i
+    assert has_compiled_step(opt)
+    assert scaler.get_scale() == 2.0**15  # 2^16 halved once, no growth interval reached
+
 # --------------------------------------------------------------------------- xla
 
 @pytest.mark.slow
