@@ -436,7 +436,6 @@ def test_compiled_bf16_forward_is_one_graph_under_autocast(monkeypatch):
     assert all(p.grad is not None and p.grad.dtype is torch.float32 for p in model.parameters() if p.requires_grad)
 
 
-
 @pytest.mark.slow
 def test_compiled_fp16_step_with_the_sync_free_scaler_skips_an_inf_step(monkeypatch):
     """The fp16 step of tests/compiler/test_cuda_step.py on the CPU compile path (fp16 autocast forced on):
