@@ -40,7 +40,7 @@ def _assert_rows(result, workloads, modes):
 def test_quick_eager_modes_on_both_workloads(tmp_path):
     status, result = _run(tmp_path, "--workload", "both", "--modes", "eager,eager-amp")
     assert status == 0
-    rows = _assert_rows(result, ["guide 4x<=64", "fixed 4x32"], ["eager", "eager-amp"])
+    rows = _assert_rows(result, ["fixed 4x32", "guide 4x<=64"], ["eager", "eager-amp"])
     assert rows[("fixed 4x32", "eager")]["status"] == "ok"
     assert rows[("fixed 4x32", "eager")]["speedup_vs_eager"] == pytest.approx(1.0)
     if not bert_base.native_bf16(bert_base.default_device()):
@@ -55,6 +55,15 @@ def test_quick_other_modes(tmp_path, mode):
     status, result = _run(tmp_path, "--workload", "fixed", "--modes", f"eager,{mode}")
     assert status == 0
     _assert_rows(result, ["fixed 4x32"], ["eager", mode])
+
+
+def test_headline_rows_run_first_and_a_spent_budget_skips_the_rest(tmp_path):
+    order = bert_base.run_order(2, ["eager", "peer", "accel-kernels", "accel"])
+    assert order == [(0, "peer"), (0, "accel"), (1, "peer"), (1, "accel"),
+                     (0, "eager"), (0, "accel-kernels"), (1, "eager"), (1, "accel-kernels")]
+    status, result = _run(tmp_path, "--workload", "fixed", "--modes", "eager,eager-amp", "--budget-s", "0")
+    assert [(r["mode"], r["status"]) for r in result["rows"]] == [("eager", "skipped"), ("eager-amp", "skipped")]
+    assert "budget" in result["rows"][0]["reason"]
 
 
 def test_pad_to_longest_pads_like_data_collator_with_padding():

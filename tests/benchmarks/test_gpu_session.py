@@ -39,6 +39,16 @@ def test_steps_select_what_runs_and_the_benchmarks_get_a_budget(tmp_path):
     assert 0 < float(kernels_args[kernels_args.index("--budget-s") + 1]) <= 420 - 40
 
 
+def test_the_first_call_of_a_session_leaves_bert_base_its_reserve(tmp_path):
+    proc, out = _session(tmp_path, "env build pytest bert_base")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pytest_timeout = int(proc.stdout.split("== pytest (timeout ")[1].split("s)")[0])
+    assert 120 <= pytest_timeout <= 570 - 260  # bert_base's reserve is kept
+    assert "-v" in (out / "pytest.log").read_text().split()  # a timed-out run still lists its tests
+    bert_args = (out / "bert_base.log").read_text().split()
+    assert float(bert_args[bert_args.index("--budget-s") + 1]) >= 150
+
+
 def test_every_step_by_default_and_unknown_steps_refused(tmp_path):
     proc, out = _session(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
