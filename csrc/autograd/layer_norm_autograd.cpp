@@ -1,13 +1,24 @@
 // Autograd of accel::layer_norm_fwd in C++, so a call costs what one of torch's own ops costs: a
 // gradient registered from Python (torch.library.register_autograd) runs Python code on every forward
 // and backward, several times the kernel's own time for the small and mid-sized rows of a transformer.
+// The backward node is written as torch's generated ones are (a Node subclass with SavedVariables, set up
+// by the Autograd kernel), not as a torch::autograd::Function: a Function's apply/backward wrappers cost
+// ~1 us more per forward and per backward (benchmarks/host_cost.py), which left a FusedLayerNorm call
+// slower on the host than nn.LayerNorm's.
 //
 // The backward calls accel::layer_norm_bwd through the dispatcher. That op's own gradient stays in
 // Python (accel/runtime/nn/layer_norm.py): it runs only when the backward is itself differentiated
 // (create_graph=True), where second derivatives must be right rather than fast; an ordinary backward
 // calls the op below autograd and runs no Python.
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
+#include <memory>
+#include <mutex>
+#include <type_traits>
+#include <utility>
 
 #include "autograd/backward_guard.h"
 #include "autograd/python_entry.h"
@@ -18,7 +29,7 @@
 namespace accel {
 namespace {
 
-using torch::autograd::AutogradContext;
+using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_op(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
@@ -72,43 +83,95 @@ at::Tensor stats_backward(const at::Tensor& x, const at::Tensor& mean, const at:
   return out.reshape_symint(x.sym_sizes());
 }
 
-class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
-                               const c10::optional<at::Tensor>& bias, int64_t ndim, double eps) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [y, mean, rstd] = fwd_op(x, weight, bias, ndim, eps);
-    ctx->save_for_backward({x, mean, rstd, weight.value_or(at::Tensor()), bias.value_or(at::Tensor())});
-    ctx->saved_data["ndim"] = ndim;
-    ctx->set_materialize_grads(false);
-    return {y, mean, rstd};
+// The gradient of (y, mean, rstd) = layer_norm_fwd(x, weight, bias) for x, weight and bias (its next
+// edges, in that order; an absent weight or bias has an empty edge). Holds what the backward reads.
+struct LayerNormBackward final : public torch::autograd::Node {
+  SavedVariable x_, mean_, rstd_, weight_, bias_;
+  int64_t ndim_ = 0;
+
+  std::string name() const override { return "accel::LayerNormBackward"; }
+
+  // Both lock Node's mutex_, as generated nodes do: two threads may run the backward of one graph
+  // kept with retain_graph=True while a third frees its saved tensors.
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    x_.reset_data();
+    mean_.reset_data();
+    rstd_.reset_data();
+    weight_.reset_data();
+    bias_.reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &mean = saved[1], &rstd = saved[2], &weight = saved[3], &bias = saved[4];
-    // needs_input_grad counts tensor inputs only: an absent weight moves bias to edge 1
-    const bool need_dw = weight.defined() && ctx->needs_input_grad(1);
-    const bool need_db = bias.defined() && ctx->needs_input_grad(weight.defined() ? 2 : 1);
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // mean and rstd are outputs of this node: unpacking them names it (saved outputs hold no reference
+    // to their grad_fn, which would be a cycle)
+    const auto self = getptr();
+    const at::Tensor x = x_.unpack(), mean = mean_.unpack(self), rstd = rstd_.unpack(self);
+    const at::Tensor weight = weight_.unpack(), bias = bias_.unpack();
+    const bool need_dw = weight.defined() && task_should_compute_output(1);
+    const bool need_db = bias.defined() && task_should_compute_output(2);
     at::Tensor dx, dw, db;
     if (grads[0].defined()) {
       BackwardOpGuard guard;  // below autograd unless create_graph
-      std::tie(dx, dw, db) = bwd_op(grads[0], x, mean, rstd, opt(weight), opt(bias),
-                                    ctx->saved_data["ndim"].toInt(), need_dw, need_db);
+      std::tie(dx, dw, db) = bwd_op(grads[0], x, mean, rstd, opt(weight), opt(bias), ndim_, need_dw, need_db);
     }
     if (grads[1].defined() || grads[2].defined()) {
       const at::Tensor stats = stats_backward(x, mean, rstd, grads[1], grads[2]);
       dx = (dx.defined() ? dx.to(stats.scalar_type()) + stats : stats).to(x.scalar_type());
     }
-    return {dx, need_dw ? dw : at::Tensor(), need_db ? db : at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, need_dw ? dw : at::Tensor(), need_db ? db : at::Tensor()};
   }
 };
 
+// deleteNode(node) through argument-dependent lookup (torch::autograd, the namespace of Node): named only
+// where the installed torch has it.
+template <typename N>
+void delete_node(N* node) {
+  deleteNode(node);
+}
+
+// A new node, held the way the installed torch holds its own: std::shared_ptr with torch's deleteNode
+// (which frees long chains of nodes without deep recursion) in torch 2.9, c10::intrusive_ptr in torch
+// 2.13. Told apart by what Node::getptr returns, not by version number.
+template <typename N>
+auto make_node() {
+  using Ptr = decltype(std::declval<torch::autograd::Node&>().getptr());
+  if constexpr (std::is_same_v<Ptr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::shared_ptr<N>(new N(), [](N* node) { delete_node(node); });
+  } else {
+    return c10::make_intrusive<N>();
+  }
+}
+
+// The Autograd kernel: the forward below autograd, then, when a gradient is wanted, the node and the
+// outputs' history, as torch's generated VariableType kernels do it.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_autograd(
     const at::Tensor& x, const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
     int64_t ndim, double eps) {
-  auto out = LayerNormFunction::apply(x, weight, bias, ndim, eps);
-  return {out[0], out[1], out[2]};
+  namespace ag = torch::autograd;
+  TORCH_CHECK_NOT_IMPLEMENTED(!ag::isFwGradDefined(x) && !ag::isFwGradDefined(weight) && !ag::isFwGradDefined(bias),
+                              "accel::layer_norm_fwd: forward-mode AD (torch.func.jvp, dual tensors) is not supported");
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> out;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    out = fwd_op(x, weight, bias, ndim, eps);
+  }
+  if (!ag::compute_requires_grad(x, weight, bias)) return out;
+  auto& [y, mean, rstd] = out;
+  auto node = make_node<LayerNormBackward>();
+  node->set_next_edges(ag::collect_next_edges(x, weight, bias));
+  node->ndim_ = ndim;
+  node->x_ = SavedVariable(x, false);
+  if (weight) node->weight_ = SavedVariable(*weight, false);
+  if (bias) node->bias_ = SavedVariable(*bias, false);
+  // mean and rstd differentiable too: a differentiated backward (create_graph) sends gradients through them
+  ag::set_history(y, node);
+  ag::set_history(mean, node);
+  ag::set_history(rstd, node);
+  node->mean_ = SavedVariable(mean, true);
+  node->rstd_ = SavedVariable(rstd, true);
+  return out;
 }
 
 namespace py = pybind11;

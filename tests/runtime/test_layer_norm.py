@@ -527,6 +527,40 @@ def test_gradient_is_cpp_and_an_ordinary_backward_runs_no_python(affine):
         torch.testing.assert_close(got, want)
 
 
+def test_backward_node_keeps_autograds_contracts():
+    # The C++ node (csrc/autograd/layer_norm_autograd.cpp) behaves as torch's own nodes do: saved-tensor
+    # hooks see what it saves (non-reentrant activation checkpointing relies on them), an in-place change
+    # of a saved input is caught, a second backward without retain_graph is refused, gradients go only to
+    # the inputs asked for, and forward-mode AD is refused rather than silently dropped.
+    torch.manual_seed(11)
+    m = FusedLayerNorm(6)
+    x = torch.randn(3, 6, requires_grad=True)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t.clone(), lambda t: t):
+        y = m(x * 1.0)
+    assert (3, 6) in packed and (6,) in packed and (3,) in packed  # x, weight/bias, mean/rstd
+    g = torch.randn(3, 6)
+    ref = F.layer_norm(x, (6,), m.weight, m.bias)
+    torch.testing.assert_close(torch.autograd.grad(y, x, g, retain_graph=True)[0],
+                               torch.autograd.grad(ref, x, g)[0], **_grads_tol(torch.float32))
+    (dw,) = torch.autograd.grad(y, m.weight, g, retain_graph=True)  # weight alone
+    assert dw.shape == (6,) and m.weight.grad is None
+    y.backward(g)
+    with pytest.raises(RuntimeError, match="second time|freed"):
+        y.backward(g)
+
+    h = x.detach().clone().requires_grad_()
+    inner = h * 1.0
+    y = fused_layer_norm(inner, 6, m.weight, m.bias)
+    inner.add_(1.0)  # modifies a tensor the backward needs
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
+        fused_layer_norm(fwAD.make_dual(x.detach(), torch.ones(3, 6)), 6, m.weight, m.bias)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_common_call_takes_the_cpp_entry(device):
     # The call a model makes every step (module or function) is checked and run by the extension's C++

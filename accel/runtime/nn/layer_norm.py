@@ -69,7 +69,7 @@ def _add(a, b):
 def _bwd_backward(dy, x, mean, rstd, weight, need_dw, need_db, grad_dx, grad_dw, grad_db, needs_input_grad):
     """Gradients of layer_norm_bwd's (dx, dw, db) with respect to its inputs dy, x, mean, rstd, weight,
     each taken as independent (the chain through mean and rstd to x is the forward op's gradient, in
-    csrc/autograd/layer_norm.cpp). In differentiable torch ops, so third and higher derivatives follow.
+    csrc/autograd/layer_norm_autograd.cpp). In differentiable torch ops, so third and higher derivatives follow.
 
     Per row, with g = w dy, xhat = (x - mean) rstd, A = mean_j(g), B = mean_j(g xhat):
         dx = rstd (g - A - xhat B),  dw = sum_rows dy xhat,  db = sum_rows dy.
@@ -124,7 +124,7 @@ def _bwd_backward(dy, x, mean, rstd, weight, need_dw, need_db, grad_dx, grad_dw,
 
 def _register():
     """Teach torch.library the kernels' output shapes (for torch.compile) and the backward op's gradient
-    (the forward op's is C++, csrc/autograd/layer_norm.cpp, as light per call as torch's own ops).
+    (the forward op's is C++, csrc/autograd/layer_norm_autograd.cpp, as light per call as torch's own ops).
 
     layer_norm_fwd's mean and rstd are differentiable outputs and layer_norm_bwd has a gradient of its
     own, so that create_graph=True (double backward, gradient penalties) differentiates the backward
