@@ -22,9 +22,9 @@ Evidence (same data and seed in one process):
 - Per-call host cost (benchmarks/host_cost.py, 2026-11-23): the ops' autograd moved from Python to C++;
   LayerNorm on 2x8 (all host cost) forward + backward went from 2.6x torch's time to ~1.3x. 2026-11-26
   (AVX-512 CPU): LayerNorm's backward is a hand-written node like torch's generated ones (no
-  torch::autograd::Function wrappers): FusedLayerNorm 6.9 us a call against nn.LayerNorm's 7.3 (was 0.88x),
-  forward + backward 51.4 us against 52.3 (was 0.83x); every op's call now costs the host no more than
-  torch's (1.02-3.3x).
+  torch::autograd::Function wrappers): FusedLayerNorm 6.8-6.9 us a call against nn.LayerNorm's 7.3 (was
+  0.88x), forward + backward 1.00-1.02x (was 0.83x) in two runs; every op's call now costs the host no more
+  than torch's (1.00-3.3x).
 - Dropout, CPU fp32, AMD EPYC without AVX-512, torch 2.9 (2026-11-24): Inductor's CPU code draws each random
   number with a scalar Philox of its own (~10 ns an element; one kernel drawing every mask of the graph took
   0.41 s of a 3.7 s compiled BERT-base 8x128 step), torch's eager bernoulli_ ~8 ns. accel::dropout_mask
