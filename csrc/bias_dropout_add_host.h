@@ -32,6 +32,15 @@ inline void check_bwd_args(const at::Tensor& grad, const at::Tensor& rng_state, 
 // every dim but the last, accumulated in fp32 for fp16/bf16, in dx's dtype. No reshape to (-1, cols),
 // which has no answer for zero columns; sizes stay symbolic (torch.compile traces the C++ gradient that
 // calls this with dynamic shapes).
+// masked_scale's arguments: mask a bool tensor of x's shape on x's device.
+inline void check_masked_scale(const at::Tensor& x, const at::Tensor& mask) {
+  TORCH_CHECK(mask.scalar_type() == at::kBool, "masked_scale: mask: expected a bool tensor, got ", mask.scalar_type());
+  TORCH_CHECK(mask.sym_sizes() == x.sym_sizes(), "masked_scale: mask: expected x's shape ", x.sym_sizes(), ", got ",
+              mask.sym_sizes());
+  TORCH_CHECK(mask.device() == x.device(), "masked_scale: mask: expected a tensor on ", x.device(), ", got ",
+              mask.device());
+}
+
 inline at::Tensor sum_rows(const at::Tensor& dx) {
   const auto acc = dx.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor rows = dx.dim() == 1 ? dx.unsqueeze(0) : dx.flatten(0, -2);

@@ -6,7 +6,12 @@ multiply fuses into the softmax kernel and only the mask's source differs."""
 import torch
 import torch.nn.functional as F
 
-from accel.runtime.nn.bias_dropout_add import bias_dropout_add, bias_dropout_add_reference, philox_dropout
+from accel.runtime.nn.bias_dropout_add import (
+    PhiloxDropout,
+    bias_dropout_add,
+    bias_dropout_add_reference,
+    philox_dropout,
+)
 
 from . import Case
 
@@ -72,8 +77,8 @@ def _philox_dropout_cases(device: str, rows_list) -> list[Case]:
 
 
 def host_cases(device: str) -> list[Case]:
-    """bias_dropout_add as a model calls it in training, on 2 rows of 8: ours against torch's
-    F.dropout(x + bias, p, training) + residual."""
+    """PhiloxDropout and bias_dropout_add as a model calls them in training, on 2 rows of 8: ours against
+    torch's nn.Dropout and F.dropout(x + bias, p, training) + residual."""
     import torch.nn.functional as F
 
     torch.manual_seed(0)
@@ -84,8 +89,13 @@ def host_cases(device: str) -> list[Case]:
     def theirs():
         return F.dropout(x + bias, P, True) + residual
 
+    ours_dropout, torch_dropout = PhiloxDropout(P), torch.nn.Dropout(P)
     peer = "torch F.dropout(x+bias)+residual"
     return [
+        Case("PhiloxDropout fwd", "2x8", 0, lambda: ours_dropout(x), {"torch nn.Dropout": lambda: torch_dropout(x)},
+             False),
+        Case("PhiloxDropout fwd+bwd", "2x8", 0, lambda: ours_dropout(x).sum().backward(),
+             {"torch nn.Dropout": lambda: torch_dropout(x).sum().backward()}, False),
         Case("bias_dropout_add fwd", "2x8", 0, lambda: bias_dropout_add(x, bias, residual, P, True),
              {peer: theirs}, False),
         Case("bias_dropout_add fwd+bwd", "2x8", 0,

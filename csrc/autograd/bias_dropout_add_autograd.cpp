@@ -9,8 +9,13 @@
 // (create_graph=True); an ordinary backward calls the op below autograd and runs no Python.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
+#include <mutex>
 
 #include "autograd/backward_guard.h"
+#include "autograd/node.h"
 #include "autograd/python_entry.h"
 #include "bias_dropout_add_host.h"
 #include <torch/library.h>
@@ -20,6 +25,7 @@ namespace accel {
 namespace {
 
 using torch::autograd::AutogradContext;
+using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
 std::tuple<at::Tensor, at::Tensor> fwd_op(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
@@ -37,6 +43,68 @@ std::tuple<at::Tensor, at::Tensor> bwd_op(const at::Tensor& grad, const at::Tens
                        .findSchemaOrThrow("accel::bias_dropout_add_bwd", "")
                        .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double, bool)>();
   return op.call(grad, rng_state, p, bias_grad);
+}
+
+at::Tensor mask_op(c10::SymIntArrayRef size, double p, at::Device device) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("accel::dropout_mask", "")
+                       .typed<at::Tensor(c10::SymIntArrayRef, double, at::Device)>();
+  return op.call(size, p, device);
+}
+
+at::Tensor masked_scale_op(const at::Tensor& x, const at::Tensor& mask, double scale) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("accel::masked_scale", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(x, mask, scale);
+}
+
+// masked_scale's kernel on every backend without one of its own (CUDA): ATen's native_dropout_backward,
+// x * mask * scale with torch's rounding (mask * x exact, one rounding of the product with scale), one
+// kernel on CUDA. The CPU has its own (csrc/cpu/bias_dropout_add.cpp): ATen's takes two passes there.
+at::Tensor masked_scale(const at::Tensor& x, const at::Tensor& mask, double scale) {
+  bias_dropout_add_host::check_masked_scale(x, mask);
+  return at::native_dropout_backward(x, mask, scale);
+}
+
+// The gradient of masked_scale for x: the same op on the incoming gradient (linear in x, so a
+// differentiated backward takes this node again, through masked_scale's Autograd kernel).
+struct MaskedScaleBackward final : public torch::autograd::Node {
+  SavedVariable mask_;
+  double scale_ = 1.0;
+
+  std::string name() const override { return "accel::MaskedScaleBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);  // as generated nodes do (retain_graph and threads)
+    mask_.reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!grads[0].defined() || !task_should_compute_output(0)) return {at::Tensor()};
+    const at::Tensor mask = mask_.unpack();
+    BackwardOpGuard guard;  // below autograd unless create_graph
+    return {masked_scale_op(grads[0], mask, scale_)};
+  }
+};
+
+at::Tensor masked_scale_autograd(const at::Tensor& x, const at::Tensor& mask, double scale) {
+  namespace ag = torch::autograd;
+  TORCH_CHECK_NOT_IMPLEMENTED(!ag::isFwGradDefined(x),
+                              "accel::masked_scale: forward-mode AD (torch.func.jvp, dual tensors) is not supported");
+  at::Tensor y;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    y = masked_scale_op(x, mask, scale);
+  }
+  if (!ag::compute_requires_grad(x)) return y;
+  auto node = make_node<MaskedScaleBackward>();
+  node->set_next_edges(ag::collect_next_edges(x));
+  node->mask_ = SavedVariable(mask, false);
+  node->scale_ = scale;
+  ag::set_history(y, node);
+  return y;
 }
 
 class BiasDropoutAddFunction : public torch::autograd::Function<BiasDropoutAddFunction> {
@@ -121,8 +189,28 @@ py::object bias_dropout_add_entry(py::handle x_obj, py::handle bias_obj, py::han
   return python_entry::wrap(out);
 }
 
+// dropout(x, p) -> masked_scale(x, mask, 1 / (1 - p)), mask = accel::dropout_mask: philox_dropout's call
+// in training, or None for anything else (python_entry.h): x a float tensor on the CPU or a GPU, p a
+// float in (0, 1). Two ops and one autograd node, as torch's own dropout costs.
+py::object dropout_entry(py::handle x_obj, py::handle p_obj) {
+  using namespace python_entry;
+  const at::Tensor* x = plain_tensor(x_obj.ptr());
+  double p = 0;
+  if (x == nullptr || x->is_nested() || x->layout() != at::kStrided || !kernel_device(*x) ||
+      !float_type(x->scalar_type()) || !python_float(p_obj.ptr(), &p) || !(p > 0.0 && p < 1.0))
+    return py::none();
+  at::Tensor y;
+  {
+    py::gil_scoped_release no_gil;
+    const at::Tensor mask = mask_op(x->sym_sizes(), p, x->device());
+    y = masked_scale_op(*x, mask, 1.0 / (1.0 - p));  // through the dispatcher: autograd applies
+  }
+  return python_entry::wrap(y);
+}
+
 void bind(py::module_& m) {
   m.def("bias_dropout_add", &bias_dropout_add_entry, "bias_dropout_add's common call, or None: see python_entry.h");
+  m.def("dropout", &dropout_entry, "philox_dropout's common call in training, or None: see python_entry.h");
 }
 
 const python_entry::Register register_entry(&bind);
@@ -131,6 +219,11 @@ const python_entry::Register register_entry(&bind);
 
 TORCH_LIBRARY_IMPL(accel, Autograd, m) {
   m.impl("bias_dropout_add_fwd", &bias_dropout_add_fwd_autograd);
+  m.impl("masked_scale", &masked_scale_autograd);
+}
+
+TORCH_LIBRARY_IMPL(accel, CompositeExplicitAutograd, m) {
+  m.impl("masked_scale", &masked_scale);
 }
 
 }  // namespace accel

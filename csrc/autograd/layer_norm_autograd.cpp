@@ -1,10 +1,8 @@
 // Autograd of accel::layer_norm_fwd in C++, so a call costs what one of torch's own ops costs: a
 // gradient registered from Python (torch.library.register_autograd) runs Python code on every forward
 // and backward, several times the kernel's own time for the small and mid-sized rows of a transformer.
-// The backward node is written as torch's generated ones are (a Node subclass with SavedVariables, set up
-// by the Autograd kernel), not as a torch::autograd::Function: a Function's apply/backward wrappers cost
-// ~1 us more per forward and per backward (benchmarks/host_cost.py), which left a FusedLayerNorm call
-// slower on the host than nn.LayerNorm's.
+// The backward node is written as torch's generated ones are (autograd/node.h): with a
+// torch::autograd::Function a FusedLayerNorm call cost the host more than nn.LayerNorm's.
 //
 // The backward calls accel::layer_norm_bwd through the dispatcher. That op's own gradient stays in
 // Python (accel/runtime/nn/layer_norm.py): it runs only when the backward is itself differentiated
@@ -15,12 +13,10 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
-#include <memory>
 #include <mutex>
-#include <type_traits>
-#include <utility>
 
 #include "autograd/backward_guard.h"
+#include "autograd/node.h"
 #include "autograd/python_entry.h"
 #include "layer_norm_host.h"
 #include <torch/library.h>
@@ -123,26 +119,6 @@ struct LayerNormBackward final : public torch::autograd::Node {
     return {dx, need_dw ? dw : at::Tensor(), need_db ? db : at::Tensor()};
   }
 };
-
-// deleteNode(node) through argument-dependent lookup (torch::autograd, the namespace of Node): named only
-// where the installed torch has it.
-template <typename N>
-void delete_node(N* node) {
-  deleteNode(node);
-}
-
-// A new node, held the way the installed torch holds its own: std::shared_ptr with torch's deleteNode
-// (which frees long chains of nodes without deep recursion) in torch 2.9, c10::intrusive_ptr in torch
-// 2.13. Told apart by what Node::getptr returns, not by version number.
-template <typename N>
-auto make_node() {
-  using Ptr = decltype(std::declval<torch::autograd::Node&>().getptr());
-  if constexpr (std::is_same_v<Ptr, std::shared_ptr<torch::autograd::Node>>) {
-    return std::shared_ptr<N>(new N(), [](N* node) { delete_node(node); });
-  } else {
-    return c10::make_intrusive<N>();
-  }
-}
 
 // The Autograd kernel: the forward below autograd, then, when a gradient is wanted, the node and the
 // outputs' history, as torch's generated VariableType kernels do it.

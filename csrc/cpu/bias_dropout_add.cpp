@@ -429,6 +429,29 @@ at::Tensor dropout_mask_cpu(c10::SymIntArrayRef size, double p, at::Device devic
   return mask;
 }
 
+// masked_scale(x, mask, scale) = x * mask * scale in one pass (ATen's CPU native_dropout_backward takes
+// two: x * mask, then * scale). Each element in x's opmath type, rounded once to x's dtype, as that pair
+// gives (x * mask is exact); a dropped element is x * 0, so NaN and inf give NaN as in torch's dropout.
+at::Tensor masked_scale_cpu(const at::Tensor& x_, const at::Tensor& mask_, double scale) {
+  check_masked_scale(x_, mask_);
+  const at::Tensor x = x_.contiguous();
+  const at::Tensor mask = mask_.contiguous();
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t n = x.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "masked_scale", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const scalar_t* in = x.const_data_ptr<scalar_t>();
+    const bool* keep = mask.const_data_ptr<bool>();
+    scalar_t* out = y.mutable_data_ptr<scalar_t>();
+    const opmath_t s = static_cast<opmath_t>(scale);
+    at::parallel_for(0, n, 32768, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        out[i] = static_cast<scalar_t>(static_cast<opmath_t>(in[i]) * static_cast<opmath_t>(keep[i]) * s);
+    });
+  });
+  return y;
+}
+
 // dropout_mask has no tensor argument to dispatch on: pick the backend from its device argument, as
 // torch's own factory functions do.
 at::Tensor dropout_mask_backend_select(c10::SymIntArrayRef size, double p, at::Device device) {
@@ -453,6 +476,10 @@ TORCH_LIBRARY_FRAGMENT(accel, m) {
   // keyword-only, as in torch's factory functions: a graph that recomputes a random op under activation
   // checkpointing (torch's run_and_save_rng_state) finds the device of an op without tensor inputs there.
   m.def("dropout_mask(SymInt[] size, float p, *, Device device) -> Tensor", {at::Tag::nondeterministic_seeded});
+  // x * mask * scale (mask: bool of x's shape), dropout's scaling half as an op whose gradient is a C++
+  // node (csrc/autograd/bias_dropout_add_autograd.cpp): philox_dropout's eager call, as light per call
+  // as torch's own dropout. Implemented for every backend by ATen's native_dropout_backward.
+  m.def("masked_scale(Tensor x, Tensor mask, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(accel, BackendSelect, m) {
@@ -463,6 +490,7 @@ TORCH_LIBRARY_IMPL(accel, CPU, m) {
   m.impl("bias_dropout_add_fwd", &bias_dropout_add_fwd_cpu);
   m.impl("bias_dropout_add_bwd", &bias_dropout_add_bwd_cpu);
   m.impl("dropout_mask", &dropout_mask_cpu);
+  m.impl("masked_scale", &masked_scale_cpu);
 }
 
 }  // namespace accel

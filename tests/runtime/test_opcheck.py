@@ -25,7 +25,7 @@ from tests.runtime._params import DEVICES
 TEST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 EXPECTED_OPS = {
-    "bias_dropout_add_fwd", "bias_dropout_add_bwd", "dropout_mask",
+    "bias_dropout_add_fwd", "bias_dropout_add_bwd", "dropout_mask", "masked_scale",
     "dcn_v2_fwd", "dcn_v2_bwd",
     "fmha_swin_fwd", "fmha_swin_bwd",
     "fused_adam_step",
@@ -162,6 +162,11 @@ def _dropout_mask(device, dtype, gen, *, p=0.3, size=(4, 6, 17)):
     return list(size), p, Keywords(device=torch.device(device))
 
 
+def _masked_scale(device, dtype, gen, *, size=(4, 6, 17)):
+    x = _randn(size, device, dtype, gen, requires_grad=True)
+    return x, _rand(size, device, torch.float32, gen, 0, 1) < 0.7, 1 / 0.7
+
+
 def _boxes(n, device, dtype, gen):
     xy = _rand((n, 2), device, torch.float64, gen, 0, 40)
     wh = _rand((n, 2), device, torch.float64, gen, 2, 20)
@@ -260,6 +265,8 @@ CASES = [
     Case("dropout_mask", "plain", _dropout_mask, (F32,)),
     Case("dropout_mask", "empty", _dropout_mask, (F32,), {"size": (0, 5)}),
     Case("dropout_mask", "keep_all", _dropout_mask, (F32,), {"p": 0.0}),
+    Case("masked_scale", "plain", _masked_scale, (F32, BF16)),
+    Case("masked_scale", "empty", _masked_scale, (F32,), {"size": (0, 5)}),
     Case("nms", "plain", _nms),
     Case("nms", "scores_require_grad", _nms, (F32,), {"scores_grad": True}),
     Case("nms_soft", "gaussian", _nms_soft),

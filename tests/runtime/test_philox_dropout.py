@@ -14,6 +14,7 @@ from torch import nn
 
 from accel.runtime.nn.bias_dropout_add import PhiloxDropout, _ops, bias_dropout_add, philox_dropout
 
+from ._autograd_probe import ACCEL_RUNTIME, LIBRARY, python_calls, ran
 from ._params import DEVICES, DTYPES, tol
 
 SHAPES = [(7,), (3, 1001), (2, 5, 64), (0, 4), (129,)]
@@ -64,6 +65,36 @@ def test_forward_and_backward_match_the_formula(device, dtype, shape):
     g = torch.randn(shape, device=device).to(dtype)
     y.backward(g)
     torch.testing.assert_close(x.grad.double(), mask.double() * g.double() / (1 - p), **tol(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_eager_call_is_bitwise_the_plain_ops_and_its_gradient_a_cpp_node(device, dtype):
+    # The eager call runs the C++ entry (mask op + accel::masked_scale, whose gradient is a C++ node):
+    # the same bits as the plain-op formula torch.compile traces (mask * x * scale), forward and backward,
+    # on a transposed (non-contiguous) input too, and no Python of torch.ops or accel on the way.
+    p = 0.3
+    x = torch.randn(37, 21, device=device).to(dtype).t().requires_grad_()
+    philox_dropout(x, p)  # loads the kernels outside the probed call
+    torch.manual_seed(8)
+    y, files = python_calls(lambda: philox_dropout(x, p))
+    assert not ran(files, "torch/_ops.py", LIBRARY, "nn/_common.py")
+    assert y.grad_fn.name() == "accel::MaskedScaleBackward"
+    mask = drawn_mask(x.shape, p, seed=8, device=device)
+    assert torch.equal(y, mask * x.detach() * (1.0 / (1.0 - p)))
+    g = torch.randn(x.shape, device=device).to(dtype)
+    (gx,), bwd_files = python_calls(lambda: torch.autograd.grad(y, x, g))
+    assert not ran(bwd_files, LIBRARY, ACCEL_RUNTIME)
+    assert torch.equal(gx, mask * g * (1.0 / (1.0 - p)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_masked_scale_checks_its_mask(device):
+    x = torch.randn(3, 4, device=device)
+    with pytest.raises(RuntimeError, match="mask: expected a bool tensor"):
+        torch.ops.accel.masked_scale(x, torch.ones(3, 4, device=device), 2.0)
+    with pytest.raises(RuntimeError, match="mask: expected x's shape"):
+        torch.ops.accel.masked_scale(x, torch.ones(4, 3, dtype=torch.bool, device=device), 2.0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -20,8 +20,9 @@ The same Philox keep rule also serves a plain dropout, for models whose dropout 
     PhiloxDropout(p)                    nn.Dropout running philox_dropout
 
 accel::dropout_mask draws only the keep mask (one byte per element, from torch's generator like the op
-above); the rest is x * mask / (1 - p) in plain ops, which torch.compile fuses with the neighbouring
-kernels and differentiates as usual. Why: Inductor's CPU code draws each element's random number with a
+above); the rest is x * mask / (1 - p): in eager code ATen's native_dropout_backward (the scaling half
+of torch's own dropout, called from C++ with the mask op: one call costs the host what nn.Dropout's
+does), under torch.compile plain ops, which Inductor fuses with the neighbouring kernels. Why: Inductor's CPU code draws each element's random number with a
 scalar Philox of its own (~10 ns an element); dropout then took ~11% of a compiled BERT-base training
 step on the CPU, and the kernel here draws 64 at a time.
 """
@@ -91,6 +92,14 @@ def _register():
         return torch.empty(size, dtype=torch.bool, device=device)
 
     torch.library.register_fake("accel::dropout_mask")(fake_mask)
+
+    def fake_masked_scale(x, mask, scale):
+        torch._check(mask.dtype == torch.bool, lambda: f"masked_scale: mask: expected a bool tensor, got {mask.dtype}")
+        torch._check(mask.shape == x.shape, lambda: f"masked_scale: mask: expected x's shape {tuple(x.shape)}, "
+                                                    f"got {tuple(mask.shape)}")
+        return torch.empty_like(x)
+
+    torch.library.register_fake("accel::masked_scale")(fake_masked_scale)
 
     # bias_dropout_add_bwd(g) = (m * g, sum over rows of m * g), m = mask / (1 - p), is linear in g and
     # scales each element by itself, so its gradient is the same op on the incoming gradients:
@@ -179,6 +188,11 @@ def philox_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inpla
         Tensor[x.shape]: mask * x / (1 - p), mask a bool tensor with each element true with probability
         1 - p; dropped elements are multiplied by 0, so NaN and inf propagate as in torch's dropout.
     """
+    if training and not inplace and not torch.compiler.is_compiling():
+        # the call a model makes every step in training, checked and run in C++ (None: anything else)
+        y = _build.entries("bias_dropout_add", _register).dropout(x, p)
+        if y is not None:
+            return y
     _check_p(p)
     if not training or p == 0.0:
         return x
