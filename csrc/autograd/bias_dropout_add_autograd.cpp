@@ -7,6 +7,9 @@
 // calling accel::bias_dropout_add_bwd through the dispatcher. That op's own gradient stays in Python
 // (accel/runtime/nn/bias_dropout_add.py): it runs only when the backward is itself differentiated
 // (create_graph=True); an ordinary backward calls the op below autograd and runs no Python.
+//
+// Also here: accel::masked_scale (x * mask * scale, the scaling half of philox_dropout), whose gradient is
+// a hand-written node (autograd/node.h) calling the same op, and philox_dropout's C++ entry.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/functions/utils.h>
