@@ -20,11 +20,11 @@ The same Philox keep rule also serves a plain dropout, for models whose dropout 
     PhiloxDropout(p)                    nn.Dropout running philox_dropout
 
 accel::dropout_mask draws only the keep mask (one byte per element, from torch's generator like the op
-above); the rest is x * mask / (1 - p): in eager code ATen's native_dropout_backward (the scaling half
-of torch's own dropout, called from C++ with the mask op: one call costs the host what nn.Dropout's
-does), under torch.compile plain ops, which Inductor fuses with the neighbouring kernels. Why: Inductor's CPU code draws each element's random number with a
-scalar Philox of its own (~10 ns an element); dropout then took ~11% of a compiled BERT-base training
-step on the CPU, and the kernel here draws 64 at a time.
+above); the rest is x * mask / (1 - p): in eager code accel::masked_scale, called from C++ with the mask
+op (one pass on the CPU, ATen's native_dropout_backward on CUDA; one call costs the host what nn.Dropout's
+does), under torch.compile plain ops, which Inductor fuses with the neighbouring kernels. Why: Inductor's
+CPU code draws each element's random number with a scalar Philox of its own (~10 ns an element); dropout
+then took ~11% of a compiled BERT-base training step on the CPU, and the kernel here draws 64 at a time.
 """
 from __future__ import annotations
 
