@@ -159,8 +159,12 @@ def _compile(model: nn.Module, backend: str, cuda_graphs: bool, n_shapes: int) -
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 2 * n_shapes + 2))
             break
-    mode = "reduce-overhead" if backend == "cuda" and cuda_graphs else None
-    model.compile(dynamic=False, mode=mode)
+    graphs = backend == "cuda" and cuda_graphs
+    model.compile(dynamic=False, mode="reduce-overhead" if graphs else None)
+    if graphs:  # a .grad kept past its step (zero_grad(set_to_none=False), micro-batches) must outlive replays
+        from accel.compiler.graph_pool_grads import keep_grads_out_of_graph_pool
+
+        keep_grads_out_of_graph_pool(model)
 
 
 def _wrap_loader(loader, config: Config, backend: str, device: torch.device, input_sharding=None,

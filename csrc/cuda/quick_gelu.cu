@@ -100,11 +100,12 @@ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 using namespace quick_gelu_host;  // dense(), strided_like(): the layouts of the results
 
 // Runs op over the inputs (one shape, dtype, device and dense layout: their numel() elements from each
-// data pointer, in one order) into a new tensor laid out like them.
+// data pointer, in one order) into a new tensor with x's strides (x dense). The result takes x's strides,
+// not those of another input: where they differ only in a size-1 dim's stride (a contiguous grad of a
+// channels-last x with one channel), both orders agree but the fake kernel and the CPU give x's.
 template <typename Op>
-at::Tensor map(const at::Tensor* const* ins) {
-  const at::Tensor& x = *ins[0];
-  auto out = at::empty_like(x);  // x's strides, x being dense
+at::Tensor map(const at::Tensor& x, const at::Tensor* const* ins) {
+  auto out = at::empty_like(x);
   const int64_t n = x.numel();
   if (n == 0) return out;  // a grid must not be empty
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quick_gelu_fwd_cuda", [&] {
@@ -136,7 +137,7 @@ at::Tensor quick_gelu_fwd_cuda(const at::Tensor& x_) {
   c10::cuda::CUDAGuard guard(x_.device());
   const auto x = dense(x_);
   const at::Tensor* ins[] = {&x};
-  return map<QuickGeluForward>(ins);
+  return map<QuickGeluForward>(x, ins);
 }
 
 at::Tensor quick_gelu_bwd_cuda(const at::Tensor& grad_, const at::Tensor& x_) {
@@ -147,7 +148,7 @@ at::Tensor quick_gelu_bwd_cuda(const at::Tensor& grad_, const at::Tensor& x_) {
   const auto x = dense(x_);  // dx has x's layout, whatever grad's is
   const auto grad = strided_like(grad_, x);
   const at::Tensor* ins[] = {&grad, &x};
-  return map<QuickGeluBackward>(ins);
+  return map<QuickGeluBackward>(x, ins);
 }
 
 }  // namespace

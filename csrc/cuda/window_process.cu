@@ -118,7 +118,10 @@ void launch_word(const at::Tensor& src, at::Tensor& dst, int64_t rows, int64_t H
 
 void launch(const at::Tensor& src, at::Tensor& dst, int64_t rows, int64_t H, int64_t W, int64_t ws,
             int64_t shift, bool reverse) {
-  if (dst.numel() == 0) return;
+  if (dst.numel() == 0) return;  // any geometry of an empty tensor is fine: nothing is indexed
+  // The kernel's window geometry is 32-bit (its divisions are FastDiv32 magic numbers).
+  TORCH_CHECK(H < std::numeric_limits<int32_t>::max() && W < std::numeric_limits<int32_t>::max(),
+              "window_process: H and W must be below 2^31 on CUDA, got H=", H, ", W=", W);
   const int64_t row_bytes = dst.numel() / rows * dst.element_size();
   const auto align = reinterpret_cast<uintptr_t>(src.const_data_ptr()) |
                      reinterpret_cast<uintptr_t>(dst.const_data_ptr());
@@ -140,8 +143,6 @@ void check_geometry(int64_t H, int64_t W, int64_t ws) {
   TORCH_CHECK(ws > 0, "window_process: window_size must be positive, got ", ws);
   TORCH_CHECK(H > 0 && W > 0 && H % ws == 0 && W % ws == 0, "window_process: window_size ", ws,
               " must divide H=", H, " and W=", W);
-  TORCH_CHECK(H < std::numeric_limits<int32_t>::max() && W < std::numeric_limits<int32_t>::max(),
-              "window_process: H and W must be below 2^31");
 }
 
 at::Tensor partition_cuda(const at::Tensor& x_, int64_t window_size, int64_t shift) {

@@ -10,6 +10,7 @@ import torch
 
 import accel
 from accel.amp import GradScaler, syncfree
+from accel.compiler.graph_pool_grads import has_graph_pool_grad_check
 from accel.compiler.optimizer import has_compiled_step
 
 transformers = pytest.importorskip("transformers", reason="the compiled step is tested on transformers' BERT")
@@ -17,9 +18,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 VOCAB, BATCH, SEQ, WARMUP = 101, 4, 32, 3
 
 
-def tiny_bert():
+def tiny_bert(dropout=0.1):
     cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=128, max_position_embeddings=SEQ, num_labels=2)
+                                  intermediate_size=128, max_position_embeddings=SEQ, num_labels=2,
+                                  hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     torch.manual_seed(0)
     return transformers.BertForSequenceClassification(cfg).train()
 
@@ -31,11 +33,12 @@ def batches(n):
              "labels": torch.randint(0, 2, (BATCH,), generator=g)} for _ in range(n)]
 
 
-def accelerated(precision):
+def accelerated(precision, dropout=0.1):
     torch._dynamo.reset()
     config = accel.Config(backend="cuda")
-    setattr(config.compute, precision, True)
-    return accel.accelerate(tiny_bert(), batches(WARMUP + 3), config)
+    if precision is not None:
+        setattr(config.compute, precision, True)
+    return accel.accelerate(tiny_bert(dropout), batches(WARMUP + 3), config)
 
 
 @contextlib.contextmanager
@@ -95,6 +98,22 @@ def test_bf16_step_is_sync_free_and_trains_like_eager():
         ref_losses.append(ref_loss.detach())
     assert has_compiled_step(opt)
     torch.testing.assert_close(torch.stack(losses).float(), torch.stack(ref_losses).float(), rtol=3e-2, atol=3e-2)
+
+
+def test_gradients_summed_over_micro_batches_match_eager():
+    # zero_grad every second batch: the first backward's .grad, which autograd took from the CUDA-graph
+    # replay's memory, must outlive the second batch's replay (pytorch/pytorch#169545); fp32, no dropout
+    model, loader = accelerated(None, dropout=0.0)
+    assert has_graph_pool_grad_check(model)
+    ref = tiny_bert(dropout=0.0).cuda()
+    for i, (batch, plain) in enumerate(zip(loader, batches(WARMUP + 3))):
+        if i % 2 == 0:
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+        model(**batch)["loss"].backward()
+        ref(**{k: v.cuda() for k, v in plain.items()})["loss"].backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-2, atol=1e-3, msg=name)
 
 
 def test_accelerate_on_cuda_keeps_the_model_in_place_and_loads_batches_onto_the_gpu():

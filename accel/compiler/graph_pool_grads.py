@@ -1,0 +1,69 @@
+"""Gradients that survive the next CUDA-graph replay, for models compiled with mode="reduce-overhead".
+
+Under CUDA graphs the compiled backward writes its outputs into the graphs' memory pool, and autograd hands
+a parameter that has no .grad yet the output tensor itself (it takes it over instead of copying). The next
+replay writes that memory again. A .grad kept past its step therefore breaks: with
+zero_grad(set_to_none=False), or gradients summed over micro-batches, the next backward either raises
+"accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run" or, where the replay
+wrote the very buffer .grad holds, sums wrong values without a word (pytorch/pytorch#169545).
+
+`keep_grads_out_of_graph_pool(model)` runs, before each call of the compiled model, a check of every
+parameter: a .grad that is not a copy made here (one autograd took over from a replay) gets a copy of its
+own, once, while the replay's memory still holds it. Later backwards add into that copy in place and
+zero_grad(set_to_none=False) zeroes it in place, so it stays the copy: no further copies. The usual loop,
+zero_grad() setting .grad to None before the next forward, finds no .grad and copies nothing; the check
+then costs a read of each parameter's .grad, a few microseconds per call on the host.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+
+class _GradsOutOfGraphPool:
+    """The compiled call, preceded by the copy of graph-owned gradients. A plain object (not a closure):
+    nn.Module drops `_compiled_call_impl` when pickled, and this never needs pickling itself."""
+
+    def __init__(self, params: list[nn.Parameter], compiled_call: Callable[..., Any]):
+        self.params = params
+        self.compiled_call = compiled_call
+        self.copies: list[int] = [0] * len(params)  # data_ptr of the copy made for each param, 0: none
+
+    def __call__(self, *args, **kwargs):
+        copies = self.copies
+        for i, p in enumerate(self.params):
+            grad = p.grad
+            if grad is not None and grad.data_ptr() != copies[i]:
+                # a tensor autograd took from a replay (or one the user set): from now on a copy of our own
+                p.grad = own = grad.clone()  # clone keeps the strides, which .grad's layout contract wants
+                copies[i] = own.data_ptr()
+        return self.compiled_call(*args, **kwargs)
+
+
+def keep_grads_out_of_graph_pool(model: nn.Module) -> None:
+    """Makes the gradients of `model` (compiled by `model.compile(mode="reduce-overhead")`) safe to keep
+    across steps; see the module docstring.
+
+    Args:
+        model: a module whose `compile()` was called: its compiled call gets the check in front.
+
+    Raises:
+        ValueError: `model` was not compiled with `nn.Module.compile()`.
+    """
+    compiled = getattr(model, "_compiled_call_impl", None)
+    if compiled is None:
+        raise ValueError("model: expected a module compiled with model.compile(), got one that is not compiled")
+    if isinstance(compiled, _GradsOutOfGraphPool):
+        return
+    # every parameter, frozen ones too: one unfrozen later is covered, and one without .grad costs a read
+    model._compiled_call_impl = _GradsOutOfGraphPool(list(model.parameters()), compiled)
+
+
+def has_graph_pool_grad_check(model: nn.Module) -> bool:
+    """Whether keep_grads_out_of_graph_pool() guards `model`'s compiled call."""
+    return isinstance(getattr(model, "_compiled_call_impl", None), _GradsOutOfGraphPool)
+
+
+__all__ = ["has_graph_pool_grad_check", "keep_grads_out_of_graph_pool"]
