@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# The GPU work of a session on a lent machine (H100; Python 3.12, torch 2.11+cu130, transformers, pytest-xdist;
-# no torch_xla, no network; the repository copied to the working directory):
+# The GPU work of a session on a lent machine (H100 or H200; Python 3.12, torch 2.11+cu130, transformers,
+# pytest-xdist; no torch_xla, no network; the repository copied to the working directory):
 #
-#     OUT=/path/to/out STEPS="env build pytest bert_base" bash benchmarks/gpu_session.sh     # first call
-#     OUT=/path/to/out2 GPU_SESSION_S=<seconds left> STEPS="build host_cost multi_stream kernels" \
-#         KERNELS_ARGS="--ops layer_norm,fused_adam,bias_dropout_add" bash benchmarks/gpu_session.sh  # second
+#     OUT=/tmp/r1 STEPS="env build pytest" GPU_SESSION_S=400 bash benchmarks/gpu_session.sh        # first call
+#     OUT=/tmp/r2 STEPS="bert_base step_profile" GPU_SESSION_S=<seconds left> bash benchmarks/gpu_session.sh
 #
+# each followed, in the same device call, by `tar czf $OUT/r1.tgz -C /tmp/r1 .` (the tool brings back at most
+# 8 files: give OUT a folder of your own and pack it into the tool's $OUT).
 # A device call runs 10 minutes at most and a session has 15 minutes of device time, the machine's start
-# included: one full call and a short second one on the still-warm machine (its build is then a cache hit).
-# The first call holds what matters most: the tests (~4 minutes; on a timeout the log still lists every
-# test that ran, pass or fail) and bert_base, which runs the headline rows first (peer and accel of every
-# size) and stops starting rows when its budget is spent. KERNELS_ARGS adds arguments to kernels.py.
+# (~30 s) included; a second call within 30 s finds the machine warm (the build is then a cache hit).
+# 2026-11-26 on an H200: build 53 s, the tests ~250 s with -n 16, each compiled bert_base row ~35 s of
+# compiling. bert_base runs the headline rows first (peer and accel of every size) and stops starting rows
+# when its budget is spent. KERNELS_ARGS adds arguments to kernels.py; PROFILE_SIZE (default 32x128) is
+# step_profile's size.
 # STEPS picks steps by name, in the order below; the default is all of them:
 # env     environment (nvidia-smi, versions)              -> $OUT/env.log
 # build   every kernel in csrc/ built, 7 in parallel       -> $OUT/build_<op>.log (cache: $ACCEL_EXT_DIR under /root)
 # pytest  the GPU-relevant tests, pytest -n 16 -v          -> $OUT/pytest.log
 # bert_base     benchmarks/bert_base.py --workload both    -> $OUT/bert_base.log, bert_base_cuda.json/png
+# step_profile  benchmarks/step_profile.py, peer vs accel   -> $OUT/step_profile.log, step_profile_cuda.json/png
 # multi_stream  benchmarks/multi_stream.py                 -> $OUT/multi_stream.log, multi_stream.json/png
 # host_cost     benchmarks/host_cost.py --device cuda      -> $OUT/host_cost.log, host_cost_cuda.json/png
 # kernels       benchmarks/kernels.py --device cuda        -> $OUT/kernels.log, kernels_cuda.json/png
@@ -40,8 +43,9 @@ START=$SECONDS
 FAILED=0
 
 # The least each step needs when it runs after others (seconds).
-declare -A RESERVE=([env]=0 [build]=60 [pytest]=120 [bert_base]=260 [multi_stream]=40 [host_cost]=30 [kernels]=60)
-ORDER=(env build pytest bert_base multi_stream host_cost kernels)
+declare -A RESERVE=([env]=0 [build]=60 [pytest]=120 [bert_base]=260 [step_profile]=100 [multi_stream]=40
+                    [host_cost]=30 [kernels]=60)
+ORDER=(env build pytest bert_base step_profile multi_stream host_cost kernels)
 STEPS="${STEPS:-${ORDER[*]}}"
 for name in $STEPS; do
   [[ -v "RESERVE[$name]" ]] || { echo "STEPS: unknown step '$name' (known: ${ORDER[*]})" >&2; exit 2; }
@@ -125,6 +129,11 @@ if want bert_base; then
   # so the run ends with its table, JSON and PNG instead of being killed.
   step bert_base "$BERT_S" "$PY" benchmarks/bert_base.py --workload both --fixed-sizes 32x128,256x128,64x512 \
     --budget-s $(( BERT_S > 160 ? BERT_S - 100 : 60 ))
+  collect_results
+fi
+if want step_profile; then
+  # where the step's time goes, peer against accel, at the size where accel leads least (two compiles)
+  step step_profile "$(budget step_profile 150)" "$PY" benchmarks/step_profile.py --size "${PROFILE_SIZE:-32x128}"
   collect_results
 fi
 if want multi_stream; then

@@ -53,7 +53,7 @@ def test_every_step_by_default_and_unknown_steps_refused(tmp_path):
     proc, out = _session(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ran = [s for s in _steps_run(out) if not s.startswith("build_")]
-    assert ran == ["env", "pytest", "bert_base", "multi_stream", "host_cost", "kernels"]
+    assert ran == ["env", "pytest", "bert_base", "step_profile", "multi_stream", "host_cost", "kernels"]
 
     proc, _ = _session(tmp_path, "build kernals")
     assert proc.returncode == 2 and "unknown step 'kernals'" in proc.stderr

@@ -1,0 +1,40 @@
+"""benchmarks/step_profile.py on the CPU (tiny BERT): the rows it writes and how it sorts kernel names."""
+import json
+
+import pytest
+
+from benchmarks import step_profile
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "matmul"),
+    ("aten::addmm", "matmul"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", "attention"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+    ("triton_per_fused_native_layer_norm_7", "inductor fused"),
+    ("void accel::layer_norm_fwd_kernel<float>", "layer_norm / dropout"),
+    ("Memcpy DtoD (Device -> Device)", "copy / fill"),
+    ("void at::native::reduce_kernel<512, 1>", "other"),
+])
+def test_kinds_of_kernel_names(name, kind):
+    assert step_profile.kind_of(name) == kind
+
+
+def test_a_profiled_mode_splits_its_step(tmp_path):
+    assert step_profile.main(["--quick", "--device", "cpu", "--modes", "eager", "--warmup", "1", "--steps", "1",
+                              "--top", "3", "--results-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "step_profile_cpu.json").read_text())
+    (row,) = result["rows"]
+    assert row["status"] == "ok" and row["mode"] == "eager" and result["workload"] == "fixed 4x32"
+    assert 0 < row["busy_ms"] and row["gap_ms"] >= 0
+    assert sum(row["kinds_ms"].values()) == pytest.approx(row["busy_ms"], rel=1e-6)
+    assert len(row["top"]) == 3 and row["top"][0]["ms_per_step"] >= row["top"][-1]["ms_per_step"]
+    assert (tmp_path / "step_profile_cpu.png").stat().st_size > 0
+
+
+def test_bad_size_names_the_argument():
+    with pytest.raises(SystemExit):
+        step_profile.main(["--size", "32by128"])
+    with pytest.raises(Exception, match="--size: expected BATCHxSEQ"):
+        step_profile.parse_size("32by128")
