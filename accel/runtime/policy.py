@@ -33,7 +33,13 @@ Evidence (same data and seed in one process):
   draws 64 at a time: softmax + dropout [8, 12, 128, 128] 3.5 ms compiled against 10.4 ms, eager dropout
   3.7 ms against 12.6 ms. BERT-base 8x128 training step through accelerate() (accel_sdpa, AdamW), same
   process, alternating: compiled 3.41 s against 3.76 s (1.10x), eager 3.30 s against 3.45 s (1.05x).
-  On CUDA torch's dropout kernels and Inductor's Triton code draw vectorised Philox already: unmeasured, off.
+  On CUDA torch's dropout kernels and Inductor's Triton code draw vectorised Philox already: off (below).
+- CUDA, H200, torch 2.11 (2026-11-26, benchmarks/results/*_h200*): eager philox_dropout 0.69-0.86x
+  F.dropout's time (a mask kernel and a scale kernel against torch's one) and 0.83x its host cost per call;
+  inside a compiled softmax + dropout 0.96-1.60x. fused Adam over 109.5M parameters 1.04x torch's
+  fused=True in fp32, 0.76-0.78x with bf16 parameters (fp32 moments against torch's bf16 ones).
+  LayerNorm's kernels alone 0.97-3.27x forward and 1.24-2.56x backward, but no BERT step A/B with the hook
+  on the GPU since the H100 run above: off until one shows a win.
 - CPU with AVX-512 and AVX512-BF16 (AMD EPYC, 2 cores), torch 2.9 (2026-11-26), where accel's AVX-512 loops
   run: LayerNorm alone 1.0-1.8x torch's forward and 0.95-2.6x its backward (bf16 [4096, 768] backward
   2.6x); fused Adam over 109.5M fp32 parameters 0.66-1.00x torch's fused=True (bf16 parameters 1.1-1.3x,
