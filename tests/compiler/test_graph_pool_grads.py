@@ -51,6 +51,9 @@ def test_one_copy_per_gradient_then_in_place_accumulation_and_zeroing():
     guarded.zero_grad(set_to_none=False)
     guarded(batch(2)).sum().backward()
     assert all(p.grad is c for p, c in zip(guarded.parameters(), copies))
+    del copies
+    guarded.zero_grad(set_to_none=True)  # the check keeps no copy alive: the memory goes with the .grad
+    assert all(ref() is None for ref in guarded._compiled_call_impl.copies)
 
 
 def test_no_grad_no_copy():
