@@ -11,13 +11,14 @@
 # (~30 s) included; a second call within 30 s finds the machine warm (the build is then a cache hit).
 # 2026-11-26 on an H200: build 53 s, the tests ~250 s with -n 16, each compiled bert_base row ~35 s of
 # compiling. bert_base runs the headline rows first (peer and accel of every size) and stops starting rows
-# when its budget is spent. KERNELS_ARGS adds arguments to kernels.py; PROFILE_SIZE (default 32x128) is
-# step_profile's size.
+# when its budget is spent. BERT_ARGS replaces bert_base's workload arguments (default: --workload both
+# --fixed-sizes 32x128,256x128,64x512; e.g. "--workload guide --modes peer,accel"), KERNELS_ARGS adds
+# arguments to kernels.py; PROFILE_SIZE (default 32x128) is step_profile's size.
 # STEPS picks steps by name, in the order below; the default is all of them:
 # env     environment (nvidia-smi, versions)              -> $OUT/env.log
 # build   every kernel in csrc/ built, 7 in parallel       -> $OUT/build_<op>.log (cache: $ACCEL_EXT_DIR under /root)
 # pytest  the GPU-relevant tests, pytest -n 16 -v          -> $OUT/pytest.log
-# bert_base     benchmarks/bert_base.py --workload both    -> $OUT/bert_base.log, bert_base_cuda.json/png
+# bert_base     benchmarks/bert_base.py ($BERT_ARGS)       -> $OUT/bert_base.log, bert_base_cuda.json/png
 # step_profile  benchmarks/step_profile.py, peer vs accel   -> $OUT/step_profile.log, step_profile_cuda.json/png
 # multi_stream  benchmarks/multi_stream.py                 -> $OUT/multi_stream.log, multi_stream.json/png
 # host_cost     benchmarks/host_cost.py --device cuda      -> $OUT/host_cost.log, host_cost_cuda.json/png
@@ -127,7 +128,8 @@ if want bert_base; then
   BERT_S=$(budget bert_base 330)
   # --budget-s: rows that would start in the last 100 s are skipped (one row compiles for up to ~a minute),
   # so the run ends with its table, JSON and PNG instead of being killed.
-  step bert_base "$BERT_S" "$PY" benchmarks/bert_base.py --workload both --fixed-sizes 32x128,256x128,64x512 \
+  # shellcheck disable=SC2086  # BERT_ARGS is a list of words
+  step bert_base "$BERT_S" "$PY" benchmarks/bert_base.py ${BERT_ARGS:---workload both --fixed-sizes 32x128,256x128,64x512} \
     --budget-s $(( BERT_S > 160 ? BERT_S - 100 : 60 ))
   collect_results
 fi

@@ -12,9 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 
 
-def _session(tmp_path, steps=None, session_s=570):
+def _session(tmp_path, steps=None, session_s=570, **extra):
     out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "PYTHON": "echo", "GPU_SESSION_S": str(session_s)}
+    env = {**os.environ, "OUT": str(out), "PYTHON": "echo", "GPU_SESSION_S": str(session_s), **extra}
     if steps is not None:
         env["STEPS"] = steps
     proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
@@ -47,6 +47,14 @@ def test_the_first_call_of_a_session_leaves_bert_base_its_reserve(tmp_path):
     assert "-v" in (out / "pytest.log").read_text().split()  # a timed-out run still lists its tests
     bert_args = (out / "bert_base.log").read_text().split()
     assert float(bert_args[bert_args.index("--budget-s") + 1]) >= 150
+
+
+def test_bert_args_replace_the_workload_arguments(tmp_path):
+    proc, out = _session(tmp_path, "bert_base", BERT_ARGS="--workload guide --modes peer,accel")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = (out / "bert_base.log").read_text().split()
+    assert args[args.index("--workload") + 1] == "guide" and "--fixed-sizes" not in args
+    assert args[args.index("--modes") + 1] == "peer,accel" and "--budget-s" in args
 
 
 def test_every_step_by_default_and_unknown_steps_refused(tmp_path):
