@@ -47,7 +47,10 @@ the mode minus RSS at its start, from /proc/self/status VmHWM after resetting it
 /proc/self/clear_refs, else the growth of getrusage's ru_maxrss); the loss curve; speed-ups (ratio of
 real tokens/s: packing changes how many samples a step holds, so tokens are the common unit) over eager
 and over the peer. A step's time runs from the previous step's end to this one's, the batch fetch
-included, after a device sync (CUDA: torch.cuda.synchronize; XLA: accel.xla.sync(wait=True)).
+included. On CUDA the steps are timed as a training loop runs them, without a host sync between them: a
+CUDA event recorded after each step, read once at the end, so the host prepares step i + 1 while the GPU
+runs step i and a step is as long as the busier of the two made it. Elsewhere after a device sync per step
+(XLA: accel.xla.sync(wait=True), which is what runs the step there).
 
 MFU (CUDA, H100/H200 only: 989 TFLOP/s dense 16-bit, also for the fp32/TF32 rows), counted on real tokens:
     FLOPs = 6 * P * tokens + 12 * layers * hidden * sum over samples of length^2
@@ -550,14 +553,45 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
+class StepClock:
+    """Step times, each from the previous step's end (or the clock's start) to this one's end. On CUDA from
+    events on the GPU's timeline, read after the last step: no host sync between steps, as in a training
+    loop (time the GPU waits on the host counts, time the host runs ahead does not); elsewhere from the
+    host's clock after a device sync per step."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.events = device.type == "cuda"
+        device_sync(device)
+        self.marks: list = [self._mark()]
+
+    def _mark(self):
+        if not self.events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def step_ended(self) -> None:
+        if not self.events:
+            device_sync(self.device)
+        self.marks.append(self._mark())
+
+    def step_times(self) -> list[float]:
+        """Seconds per step; on CUDA this waits for the GPU to finish the steps."""
+        if not self.events:
+            return [b - a for a, b in zip(self.marks, self.marks[1:])]
+        device_sync(self.device)
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
 def measure(run: Run, warmup: int, steps: int, desc: str) -> dict:
     """Drive `run` for warmup + steps steps; times, losses and counts (read from the device once, at the end)."""
     from tqdm import tqdm
 
     compiles_start = compile_count(run.device)
     losses, timed_counts, times = [], [], []
-    device_sync(run.device)
-    last = time.perf_counter()
+    clock = StepClock(run.device)
     for i in tqdm(range(warmup + steps), desc=desc, unit="step"):
         batch = next(run.batches)
         loss = run.step(batch)
@@ -567,12 +601,10 @@ def measure(run: Run, warmup: int, steps: int, desc: str) -> dict:
         counts = batch_counts(batch, run.packed)
         if i >= warmup:
             timed_counts.append(counts)
-        device_sync(run.device)
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
+        clock.step_ended()
         if i == warmup - 1:
             compiles_warm = compile_count(run.device)
+    times = clock.step_times()
     if warmup == 0:
         compiles_warm = compiles_start
     compiles_end = compile_count(run.device)

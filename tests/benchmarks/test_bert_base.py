@@ -139,3 +139,20 @@ def test_xla_starts_only_for_the_xla_modes_and_leaves_dynamo_as_torch_sets_it(mo
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-3:] == [str(imports_xla), "True", "True"]
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_step_clock_times_each_step_from_the_end_of_the_one_before(device):
+    import time
+
+    clock = bert_base.StepClock(torch.device(device))
+    x = torch.ones(256, 256, device=device)
+    for work in (1, 30, 1):
+        for _ in range(work):
+            x = (x @ x).clamp_(-1, 1)
+        if device == "cpu":
+            time.sleep(0.005 * work)  # the host's clock: sleeping is part of the step
+        clock.step_ended()
+    times = clock.step_times()
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert times[1] > times[0] and times[1] > times[2]  # the step that did 30x the work took longest
