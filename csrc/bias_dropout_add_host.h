@@ -28,10 +28,6 @@ inline void check_bwd_args(const at::Tensor& grad, const at::Tensor& rng_state, 
   TORCH_CHECK(!bias_grad || grad.dim() >= 1, "bias_dropout_add_bwd: bias_grad needs a grad with a last dim");
 }
 
-// The bias gradient from a dx (or from the output's gradient when nothing is dropped): dx summed over
-// every dim but the last, accumulated in fp32 for fp16/bf16, in dx's dtype. No reshape to (-1, cols),
-// which has no answer for zero columns; sizes stay symbolic (torch.compile traces the C++ gradient that
-// calls this with dynamic shapes).
 // masked_scale's arguments: mask a bool tensor of x's shape on x's device.
 inline void check_masked_scale(const at::Tensor& x, const at::Tensor& mask) {
   TORCH_CHECK(mask.scalar_type() == at::kBool, "masked_scale: mask: expected a bool tensor, got ", mask.scalar_type());
@@ -41,6 +37,17 @@ inline void check_masked_scale(const at::Tensor& x, const at::Tensor& mask) {
               mask.device());
 }
 
+// dropout_fwd's arguments: x floating point, p in [0, 1].
+inline void check_dropout_fwd(const at::Tensor& x, double p) {
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "dropout_fwd: x: expected a floating-point tensor, got ",
+              x.scalar_type());
+  TORCH_CHECK(p >= 0.0 && p <= 1.0, "dropout_fwd: p: expected a float in [0, 1], got ", p);
+}
+
+// The bias gradient from a dx (or from the output's gradient when nothing is dropped): dx summed over
+// every dim but the last, accumulated in fp32 for fp16/bf16, in dx's dtype. No reshape to (-1, cols),
+// which has no answer for zero columns; sizes stay symbolic (torch.compile traces the C++ gradient that
+// calls this with dynamic shapes).
 inline at::Tensor sum_rows(const at::Tensor& dx) {
   const auto acc = dx.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor rows = dx.dim() == 1 ? dx.unsqueeze(0) : dx.flatten(0, -2);

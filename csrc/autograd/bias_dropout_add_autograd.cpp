@@ -9,7 +9,8 @@
 // (create_graph=True); an ordinary backward calls the op below autograd and runs no Python.
 //
 // Also here: accel::masked_scale (x * mask * scale, the scaling half of philox_dropout), whose gradient is
-// a hand-written node (autograd/node.h) calling the same op, and philox_dropout's C++ entry.
+// a hand-written node (autograd/node.h) calling the same op; accel::dropout_fwd (mask and scaled x in one
+// op, philox_dropout's eager forward), whose y takes the same node; and philox_dropout's C++ entry.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -48,18 +49,18 @@ std::tuple<at::Tensor, at::Tensor> bwd_op(const at::Tensor& grad, const at::Tens
   return op.call(grad, rng_state, p, bias_grad);
 }
 
-at::Tensor mask_op(c10::SymIntArrayRef size, double p, at::Device device) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("accel::dropout_mask", "")
-                       .typed<at::Tensor(c10::SymIntArrayRef, double, at::Device)>();
-  return op.call(size, p, device);
-}
-
 at::Tensor masked_scale_op(const at::Tensor& x, const at::Tensor& mask, double scale) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("accel::masked_scale", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
   return op.call(x, mask, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor> dropout_fwd_op(const at::Tensor& x, double p) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("accel::dropout_fwd", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, double)>();
+  return op.call(x, p);
 }
 
 // masked_scale's kernel on every backend without one of its own (CUDA): ATen's native_dropout_backward,
@@ -92,22 +93,45 @@ struct MaskedScaleBackward final : public torch::autograd::Node {
   }
 };
 
-at::Tensor masked_scale_autograd(const at::Tensor& x, const at::Tensor& mask, double scale) {
+// y = x * mask * scale made differentiable in x: y's gradient is MaskedScaleBackward (x, mask, scale as the
+// forward had them).
+void attach_masked_scale_backward(const at::Tensor& x, const at::Tensor& mask, double scale, at::Tensor& y) {
   namespace ag = torch::autograd;
-  TORCH_CHECK_NOT_IMPLEMENTED(!ag::isFwGradDefined(x),
-                              "accel::masked_scale: forward-mode AD (torch.func.jvp, dual tensors) is not supported");
-  at::Tensor y;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    y = masked_scale_op(x, mask, scale);
-  }
-  if (!ag::compute_requires_grad(x)) return y;
+  if (!ag::compute_requires_grad(x)) return;
   auto node = make_node<MaskedScaleBackward>();
   node->set_next_edges(ag::collect_next_edges(x));
   node->mask_ = SavedVariable(mask, false);
   node->scale_ = scale;
   ag::set_history(y, node);
+}
+
+void refuse_forward_ad(const at::Tensor& x, const char* op) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(x), op,
+                              ": forward-mode AD (torch.func.jvp, dual tensors) is not supported");
+}
+
+at::Tensor masked_scale_autograd(const at::Tensor& x, const at::Tensor& mask, double scale) {
+  refuse_forward_ad(x, "accel::masked_scale");
+  at::Tensor y;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    y = masked_scale_op(x, mask, scale);
+  }
+  attach_masked_scale_backward(x, mask, scale, y);
   return y;
+}
+
+// dropout_fwd: (y, mask) from one kernel; y's gradient is masked_scale's node with that mask, so a dropout
+// drawn this way differentiates (twice, too) exactly as dropout_mask + masked_scale would.
+std::tuple<at::Tensor, at::Tensor> dropout_fwd_autograd(const at::Tensor& x, double p) {
+  refuse_forward_ad(x, "accel::dropout_fwd");
+  at::Tensor y, mask;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(y, mask) = dropout_fwd_op(x, p);
+  }
+  attach_masked_scale_backward(x, mask, bias_dropout_add_host::keep_scale(p), y);
+  return {y, mask};
 }
 
 class BiasDropoutAddFunction : public torch::autograd::Function<BiasDropoutAddFunction> {
@@ -192,9 +216,9 @@ py::object bias_dropout_add_entry(py::handle x_obj, py::handle bias_obj, py::han
   return python_entry::wrap(out);
 }
 
-// dropout(x, p) -> masked_scale(x, mask, 1 / (1 - p)), mask = accel::dropout_mask: philox_dropout's call
-// in training, or None for anything else (python_entry.h): x a float tensor on the CPU or a GPU, p a
-// float in (0, 1). Two ops and one autograd node, as torch's own dropout costs.
+// dropout(x, p) -> y of accel::dropout_fwd (the mask of accel::dropout_mask, y = masked_scale(x, mask,
+// 1 / (1 - p))): philox_dropout's call in training, or None for anything else (python_entry.h): x a float
+// tensor on the CPU or a GPU, p a float in (0, 1). One op and one autograd node, as torch's own dropout.
 py::object dropout_entry(py::handle x_obj, py::handle p_obj) {
   using namespace python_entry;
   const at::Tensor* x = plain_tensor(x_obj.ptr());
@@ -205,8 +229,7 @@ py::object dropout_entry(py::handle x_obj, py::handle p_obj) {
   at::Tensor y;
   {
     py::gil_scoped_release no_gil;
-    const at::Tensor mask = mask_op(x->sym_sizes(), p, x->device());
-    y = masked_scale_op(*x, mask, 1.0 / (1.0 - p));  // through the dispatcher: autograd applies
+    y = std::get<0>(dropout_fwd_op(*x, p));  // through the dispatcher: autograd applies
   }
   return python_entry::wrap(y);
 }
@@ -223,6 +246,7 @@ const python_entry::Register register_entry(&bind);
 TORCH_LIBRARY_IMPL(accel, Autograd, m) {
   m.impl("bias_dropout_add_fwd", &bias_dropout_add_fwd_autograd);
   m.impl("masked_scale", &masked_scale_autograd);
+  m.impl("dropout_fwd", &dropout_fwd_autograd);
 }
 
 TORCH_LIBRARY_IMPL(accel, CompositeExplicitAutograd, m) {

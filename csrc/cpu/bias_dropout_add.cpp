@@ -452,6 +452,15 @@ at::Tensor masked_scale_cpu(const at::Tensor& x_, const at::Tensor& mask_, doubl
   return y;
 }
 
+// dropout_fwd(x, p) -> (y, mask): the mask dropout_mask(x.shape, p) draws and y = masked_scale(x, mask,
+// 1 / (1 - p)), the one call of philox_dropout's eager forward. Here the two kernels above, in one op (the
+// CUDA kernel writes both in one pass).
+std::tuple<at::Tensor, at::Tensor> dropout_fwd_cpu(const at::Tensor& x, double p) {
+  check_dropout_fwd(x, p);
+  at::Tensor mask = dropout_mask_cpu(x.sym_sizes(), p, x.device());
+  return {masked_scale_cpu(x, mask, keep_scale(p)), mask};
+}
+
 // dropout_mask has no tensor argument to dispatch on: pick the backend from its device argument, as
 // torch's own factory functions do.
 at::Tensor dropout_mask_backend_select(c10::SymIntArrayRef size, double p, at::Device device) {
@@ -480,6 +489,10 @@ TORCH_LIBRARY_FRAGMENT(accel, m) {
   // node (csrc/autograd/bias_dropout_add_autograd.cpp): philox_dropout's eager call, as light per call
   // as torch's own dropout. Implemented for every backend by ATen's native_dropout_backward.
   m.def("masked_scale(Tensor x, Tensor mask, float scale) -> Tensor");
+  // (y, mask): the mask dropout_mask(x.shape, p) would draw, and y = masked_scale(x, mask, 1 / (1 - p)) (0 for
+  // p = 1), drawn and written in one pass on CUDA: philox_dropout's eager forward. y's gradient is
+  // masked_scale's node (csrc/autograd/bias_dropout_add_autograd.cpp); the mask is not differentiable.
+  m.def("dropout_fwd(Tensor x, float p) -> (Tensor, Tensor)", {at::Tag::nondeterministic_seeded});
 }
 
 TORCH_LIBRARY_IMPL(accel, BackendSelect, m) {
@@ -491,6 +504,7 @@ TORCH_LIBRARY_IMPL(accel, CPU, m) {
   m.impl("bias_dropout_add_bwd", &bias_dropout_add_bwd_cpu);
   m.impl("dropout_mask", &dropout_mask_cpu);
   m.impl("masked_scale", &masked_scale_cpu);
+  m.impl("dropout_fwd", &dropout_fwd_cpu);
 }
 
 }  // namespace accel

@@ -383,12 +383,82 @@ at::Tensor dropout_mask_cuda(c10::SymIntArrayRef size, double p, at::Device devi
   return mask;
 }
 
+// dropout_mask and masked_scale in one pass: y = x * scale where kept, x * 0 where dropped (rounded once from
+// opmath, as native_dropout_backward rounds x * mask * scale), and the mask's bytes. One read of x and one
+// write of y and of the mask, as torch's own dropout kernel.
+// Assumptions: x, y contiguous of n elements, mask n bools; any grid (grid-stride over groups of 4 elements);
+// kVec: n % 4 == 0, x and y aligned to a Vec4 (the mask, from at::empty, to 4 bytes at every group); philox
+// reserved 4 draws per subsequence. The draws are dropout_mask_kernel's: same mask for the same state.
+template <typename scalar_t, bool kVec>
+__global__ void dropout_fwd_kernel(const scalar_t* __restrict__ x, scalar_t* __restrict__ y, bool* __restrict__ mask,
+                                   int64_t n, at::PhiloxCudaState philox, Keep keep) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const auto unpacked = at::cuda::philox::unpack(philox);
+  const uint64_t seed = std::get<0>(unpacked);
+  const uint64_t counter = std::get<1>(unpacked) / kDrawsPerSubsequence;
+  const opmath_t scale = static_cast<opmath_t>(keep.scale);
+  const int64_t groups = (n + 3) / 4;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t blk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; blk < groups; blk += stride) {
+    opmath_t mult[4];
+    keep_multipliers(seed, counter, blk, keep.threshold, scale, mult);
+    scalar_t xv[4], yv[4];
+    load4<scalar_t, kVec>(x, blk, n, xv);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) yv[k] = static_cast<scalar_t>(static_cast<opmath_t>(xv[k]) * mult[k]);
+    store4<scalar_t, kVec>(y, blk, n, yv);
+    if constexpr (kVec) {
+      uchar4 bytes;
+      bytes.x = mult[0] != opmath_t(0);
+      bytes.y = mult[1] != opmath_t(0);
+      bytes.z = mult[2] != opmath_t(0);
+      bytes.w = mult[3] != opmath_t(0);
+      reinterpret_cast<uchar4*>(mask)[blk] = bytes;
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (4 * blk + k < n) mask[4 * blk + k] = mult[k] != opmath_t(0);
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> dropout_fwd_cuda(const at::Tensor& x_, double p) {
+  check_dropout_fwd(x_, p);
+  c10::cuda::CUDAGuard guard(x_.device());
+  const at::Tensor x = x_.contiguous();
+  const int64_t n = x.numel();
+  const double scale = keep_scale(p);
+  if (n == 0 || p == 0.0 || p == 1.0) {  // nothing drawn, as dropout_mask
+    at::Tensor mask = at::empty(x.sizes(), x.options().dtype(at::kBool)).fill_(p == 0.0);
+    return {at::native_dropout_backward(x, mask, scale), mask};
+  }
+  at::Tensor y = at::empty_like(x);
+  at::Tensor mask = at::empty(x.sizes(), x.options().dtype(at::kBool));
+  const at::PhiloxCudaState philox = reserve_philox(x.get_device());
+  // a keep multiplier is never 0 for a kept element: scale = 1 / (1 - p) > 0 here
+  const Keep keep{keep_threshold(p), scale};
+  const auto grid = static_cast<unsigned>(grid_for((n + 3) / 4));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dropout_fwd_cuda", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    bool* mp = mask.mutable_data_ptr<bool>();
+    const bool vec = vectorizable<scalar_t>(n, {xp, yp}) && reinterpret_cast<uintptr_t>(mp) % 4 == 0;
+    with_bool(vec, [&](auto kVec) {
+      dropout_fwd_kernel<scalar_t, decltype(kVec)::value><<<grid, kThreads, 0, stream>>>(xp, yp, mp, n, philox, keep);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return {y, mask};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(accel, CUDA, m) {
   m.impl("bias_dropout_add_fwd", &bias_dropout_add_fwd_cuda);
   m.impl("bias_dropout_add_bwd", &bias_dropout_add_bwd_cuda);
   m.impl("dropout_mask", &dropout_mask_cuda);
+  m.impl("dropout_fwd", &dropout_fwd_cuda);
 }
 
 }  // namespace accel

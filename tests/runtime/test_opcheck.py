@@ -25,7 +25,7 @@ from tests.runtime._params import DEVICES
 TEST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 EXPECTED_OPS = {
-    "bias_dropout_add_fwd", "bias_dropout_add_bwd", "dropout_mask", "masked_scale",
+    "bias_dropout_add_fwd", "bias_dropout_add_bwd", "dropout_mask", "masked_scale", "dropout_fwd",
     "dcn_v2_fwd", "dcn_v2_bwd",
     "fmha_swin_fwd", "fmha_swin_bwd",
     "fused_adam_step",
@@ -167,6 +167,10 @@ def _masked_scale(device, dtype, gen, *, size=(4, 6, 17)):
     return x, _rand(size, device, torch.float32, gen, 0, 1) < 0.7, 1 / 0.7
 
 
+def _dropout_fwd(device, dtype, gen, *, p=0.3, size=(4, 6, 17)):
+    return _randn(size, device, dtype, gen, requires_grad=True), p
+
+
 def _boxes(n, device, dtype, gen):
     xy = _rand((n, 2), device, torch.float64, gen, 0, 40)
     wh = _rand((n, 2), device, torch.float64, gen, 2, 20)
@@ -267,6 +271,10 @@ CASES = [
     Case("dropout_mask", "keep_all", _dropout_mask, (F32,), {"p": 0.0}),
     Case("masked_scale", "plain", _masked_scale, (F32, BF16)),
     Case("masked_scale", "empty", _masked_scale, (F32,), {"size": (0, 5)}),
+    Case("dropout_fwd", "plain", _dropout_fwd, (F32, BF16)),
+    Case("dropout_fwd", "odd_size", _dropout_fwd, (F32,), {"size": (3, 7)}),
+    Case("dropout_fwd", "empty", _dropout_fwd, (F32,), {"size": (0, 5)}),
+    Case("dropout_fwd", "drop_all", _dropout_fwd, (F32,), {"p": 1.0}),
     Case("nms", "plain", _nms),
     Case("nms", "scores_require_grad", _nms, (F32,), {"scores_grad": True}),
     Case("nms_soft", "gaussian", _nms_soft),

@@ -70,7 +70,7 @@ def test_forward_and_backward_match_the_formula(device, dtype, shape):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_eager_call_is_bitwise_the_plain_ops_and_its_gradient_a_cpp_node(device, dtype):
-    # The eager call runs the C++ entry (mask op + accel::masked_scale, whose gradient is a C++ node):
+    # The eager call runs the C++ entry (accel::dropout_fwd, whose gradient is masked_scale's C++ node):
     # the same bits as the plain-op formula torch.compile traces (mask * x * scale), forward and backward,
     # on a transposed (non-contiguous) input too, and no Python of torch.ops or accel on the way.
     p = 0.3
@@ -86,6 +86,36 @@ def test_eager_call_is_bitwise_the_plain_ops_and_its_gradient_a_cpp_node(device,
     (gx,), bwd_files = python_calls(lambda: torch.autograd.grad(y, x, g))
     assert not ran(bwd_files, LIBRARY, ACCEL_RUNTIME)
     assert torch.equal(gx, mask * g * (1.0 / (1.0 - p)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES + [(5, 8)])
+@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
+def test_dropout_fwd_is_dropout_mask_and_masked_scale_in_one_op(device, dtype, shape, p):
+    # (y, mask): bitwise dropout_mask's draw after the same seed and masked_scale's product (0 for p = 1);
+    # on CUDA one kernel writes both, vector path (numel % 4 == 0) and element path alike
+    ops = _ops()
+    x = torch.randn(shape, device=device).to(dtype).requires_grad_()
+    torch.manual_seed(11)
+    y, mask = ops.dropout_fwd(x, p)
+    expected_mask = drawn_mask(shape, p, seed=11, device=device)
+    assert mask.dtype == torch.bool and torch.equal(mask, expected_mask)
+    scale = 1.0 / (1.0 - p) if p < 1.0 else 0.0
+    assert y.dtype == dtype and torch.equal(y, ops.masked_scale(x.detach(), mask, scale))
+    assert not mask.requires_grad and y.grad_fn.name() == "accel::MaskedScaleBackward"
+    g = torch.randn(shape, device=device).to(dtype)
+    (gx,) = torch.autograd.grad(y, x, g)
+    assert torch.equal(gx, ops.masked_scale(g, mask, scale))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_fwd_checks_its_arguments(device):
+    ops = _ops()
+    with pytest.raises(RuntimeError, match="dropout_fwd: x: expected a floating-point tensor"):
+        ops.dropout_fwd(torch.ones(3, dtype=torch.long, device=device), 0.5)
+    with pytest.raises(RuntimeError, match=r"dropout_fwd: p: expected a float in \[0, 1\], got 1.5"):
+        ops.dropout_fwd(torch.ones(3, device=device), 1.5)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -20,9 +20,10 @@ The same Philox keep rule also serves a plain dropout, for models whose dropout 
     PhiloxDropout(p)                    nn.Dropout running philox_dropout
 
 accel::dropout_mask draws only the keep mask (one byte per element, from torch's generator like the op
-above); the rest is x * mask / (1 - p): in eager code accel::masked_scale, called from C++ with the mask
-op (one pass on the CPU, ATen's native_dropout_backward on CUDA; one call costs the host what nn.Dropout's
-does), under torch.compile plain ops, which Inductor fuses with the neighbouring kernels. Why: Inductor's
+above); the rest is x * mask / (1 - p): under torch.compile plain ops, which Inductor fuses with the
+neighbouring kernels; in eager code accel::dropout_fwd, called from C++, which returns that mask and the
+scaled x (one pass writes both on CUDA; on the CPU the mask kernel, then accel::masked_scale's one pass) and
+whose gradient is masked_scale's C++ node: one call costs the host what nn.Dropout's does. Why: Inductor's
 CPU code draws each element's random number with a scalar Philox of its own (~10 ns an element); dropout
 then took ~11% of a compiled BERT-base training step on the CPU, and the kernel here draws 64 at a time.
 """
@@ -100,6 +101,14 @@ def _register():
         return torch.empty_like(x)
 
     torch.library.register_fake("accel::masked_scale")(fake_masked_scale)
+
+    def fake_dropout_fwd(x, p):
+        torch._check(x.is_floating_point(), lambda: f"dropout_fwd: x: expected a floating-point tensor, got {x.dtype}")
+        torch._check(0.0 <= p <= 1.0, lambda: f"dropout_fwd: p: expected a float in [0, 1], got {p}")
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        return y, torch.empty(x.shape, dtype=torch.bool, device=x.device)
+
+    torch.library.register_fake("accel::dropout_fwd")(fake_dropout_fwd)
 
     # bias_dropout_add_bwd(g) = (m * g, sum over rows of m * g), m = mask / (1 - p), is linear in g and
     # scales each element by itself, so its gradient is the same op on the incoming gradients:
