@@ -36,7 +36,8 @@ Evidence (same data and seed in one process):
   On CUDA torch's dropout kernels and Inductor's Triton code draw vectorised Philox already: off (below).
 - CUDA, H200, torch 2.11 (2026-11-26, benchmarks/results/*_h200*): eager philox_dropout 0.69-0.86x
   F.dropout's time (a mask kernel and a scale kernel against torch's one) and 0.83x its host cost per call;
-  inside a compiled softmax + dropout 0.96-1.60x. fused Adam over 109.5M parameters 1.04x torch's
+  inside a compiled softmax + dropout 0.96-1.60x. The eager call has since become one op whose CUDA kernel
+  draws the mask and writes both outputs in one pass (accel::dropout_fwd): to measure before it goes on. fused Adam over 109.5M parameters 1.04x torch's
   fused=True in fp32, 0.76-0.78x with bf16 parameters (fp32 moments against torch's bf16 ones).
   LayerNorm's kernels alone 0.97-3.27x forward and 1.24-2.56x backward, but no BERT step A/B with the hook
   on the GPU since the H100 run above: off until one shows a win.
