@@ -93,6 +93,25 @@ def adam_reference(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                               grad_scale=grad_scale)
 
 
+def _in_layout(state: dict, p: torch.Tensor, amsgrad: bool) -> bool:
+    """Whether FusedAdam._state_for would leave `state` as it is: a float32 0-dim step and the moments (the
+    maximum too with amsgrad) in the state dtype, all on p's device. Cheap, for the per-step path."""
+    cuda, index = p.is_cuda, p.get_device()
+    step = state.get("step")
+    if not (isinstance(step, torch.Tensor) and step.dtype is torch.float32 and step.dim() == 0
+            and step.is_cuda == cuda and step.get_device() == index):
+        return False
+    sdt = torch.float64 if p.dtype is torch.float64 else torch.float32
+    for key in STATE_KEYS:
+        t = state.get(key)
+        if t is None:
+            if key != "max_exp_avg_sq" or amsgrad:
+                return False
+        elif t.dtype is not sdt or t.is_cuda != cuda or t.get_device() != index:
+            return False
+    return True
+
+
 def _check_flag(name: str, value, allowed=(True, False)) -> None:
     if value not in allowed or not (value is None or isinstance(value, bool)):
         raise ValueError(f"{name}: expected one of {allowed}, got {value!r}")
@@ -206,30 +225,38 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _gather(self, group):
         """The tensor lists of a group's params that have grads, with state created on first use.
-        Raises before anything is modified, so a refused step leaves the weights as they were."""
+        Raises before anything is modified, so a refused step leaves the weights as they were.
+        Runs every step over every param: its checks use what a tensor answers without building objects
+        (get_device(), is_cuda, dtype identity); the messages, built only on failure, name the devices."""
         lists = ([], [], [], [], [], [])
-        device = None
+        device = None  # (is_cuda, index) of the group's first param with a grad
         for k, p in enumerate(group["params"]):
-            if p.grad is None:
-                continue
             g = p.grad
-            if g.is_sparse or g.layout != torch.strided:
+            if g is None:
+                continue
+            if g.layout is not torch.strided:
                 raise ValueError(f"params: param {k} has a sparse gradient; FusedAdam supports dense "
                                  f"gradients only (use torch.optim.SparseAdam)")
-            if g.dtype != p.dtype or g.shape != p.shape:
+            if g.dtype is not p.dtype or g.shape != p.shape:
                 raise ValueError(f"params: param {k} is {p.dtype} {tuple(p.shape)} but its grad is "
                                  f"{g.dtype} {tuple(g.shape)}")
+            here = (p.is_cuda, p.get_device())
             if device is None:
-                device = p.device
-            elif p.device != device or g.device != device:
+                device, first = here, p
+            elif here != device:
                 raise ValueError(f"params: all params of a group must be on one device; param {k} is on "
-                                 f"{p.device}, the group on {device}")
+                                 f"{p.device}, the group on {first.device}")
+            if (g.is_cuda, g.get_device()) != device:
+                raise ValueError(f"params: all params of a group must be on one device; param {k} is on "
+                                 f"{p.device}, its grad on {g.device}")
             lists[0].append(p)
             lists[1].append(g)
-        return device, lists
+        return (None if device is None else first.device), lists
 
     def _state_for(self, p, amsgrad: bool):
         state = self.state[p]
+        if state and _in_layout(state, p, amsgrad):
+            return state  # every step after the first: nothing to create or convert
         sdt = state_dtype(p.dtype)
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
