@@ -17,6 +17,7 @@
 # STEPS picks steps by name, in the order below; the default is all of them:
 # env     environment (nvidia-smi, versions)              -> $OUT/env.log
 # build   every kernel in csrc/ built, 7 in parallel       -> $OUT/build_<op>.log (cache: $ACCEL_EXT_DIR under /root)
+# crash_bt  $CRASH_TESTS (node ids) under cuda-gdb, only when named -> $OUT/crash_bt.log (native backtrace)
 # pytest  the GPU-relevant tests, pytest -n 16 -v          -> $OUT/pytest.log
 # bert_base     benchmarks/bert_base.py ($BERT_ARGS)       -> $OUT/bert_base.log, bert_base_cuda.json/png
 # step_profile  benchmarks/step_profile.py, peer vs accel   -> $OUT/step_profile.log, step_profile_cuda.json/png
@@ -44,10 +45,10 @@ START=$SECONDS
 FAILED=0
 
 # The least each step needs when it runs after others (seconds).
-declare -A RESERVE=([env]=0 [build]=60 [pytest]=120 [bert_base]=260 [step_profile]=100 [multi_stream]=40
-                    [host_cost]=30 [kernels]=60)
-ORDER=(env build pytest bert_base step_profile multi_stream host_cost kernels)
-STEPS="${STEPS:-${ORDER[*]}}"
+declare -A RESERVE=([env]=0 [build]=60 [crash_bt]=60 [pytest]=120 [bert_base]=260 [step_profile]=100
+                    [multi_stream]=40 [host_cost]=30 [kernels]=60)
+ORDER=(env build crash_bt pytest bert_base step_profile multi_stream host_cost kernels)
+STEPS="${STEPS:-${ORDER[*]/crash_bt}}"  # crash_bt only when named
 for name in $STEPS; do
   [[ -v "RESERVE[$name]" ]] || { echo "STEPS: unknown step '$name' (known: ${ORDER[*]})" >&2; exit 2; }
 done
@@ -118,6 +119,14 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get
 print(\"transformers\", transformers.__version__)'"
 fi
 if want build; then build_kernels "$(budget build 150)"; fi
+if want crash_bt; then
+  # the native backtrace of tests that kill their process (SIGSEGV): cuda-gdb debugs host code too
+  : "${CRASH_TESTS:?crash_bt: set CRASH_TESTS to the pytest node ids to run under the debugger}"
+  GDB=$(command -v cuda-gdb || command -v gdb)
+  # shellcheck disable=SC2086  # CRASH_TESTS is a list of node ids
+  step crash_bt "$(budget crash_bt 90)" "$GDB" -q -batch -ex "set pagination off" -ex run -ex "bt 60" \
+    -ex "info sharedlibrary" --args "$PY" -m pytest -x -q -p no:cacheprovider $CRASH_TESTS
+fi
 if want pytest; then
   mapfile -t TESTS < <(existing_paths tests/runtime tests/amp tests/data tests/compiler tests/test_checkpoint.py \
     tests/test_accelerate.py tests/test_config.py)

@@ -13,6 +13,9 @@ SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 
 
 def _session(tmp_path, steps=None, session_s=570, **extra):
+    fake_gdb = tmp_path / "cuda-gdb"  # found before any real one when tmp_path leads PATH (crash_bt)
+    fake_gdb.write_text('#!/bin/sh\necho "$@"\n')
+    fake_gdb.chmod(0o755)
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PYTHON": "echo", "GPU_SESSION_S": str(session_s), **extra}
     if steps is not None:
@@ -55,6 +58,18 @@ def test_bert_args_replace_the_workload_arguments(tmp_path):
     args = (out / "bert_base.log").read_text().split()
     assert args[args.index("--workload") + 1] == "guide" and "--fixed-sizes" not in args
     assert args[args.index("--modes") + 1] == "peer,accel" and "--budget-s" in args
+
+
+def test_crash_bt_runs_the_named_tests_under_a_debugger_and_only_when_asked(tmp_path):
+    node = "tests/runtime/test_dcn_v2.py::test_kernels_check_their_arguments"
+    proc, out = _session(tmp_path, "crash_bt", CRASH_TESTS=node, PATH=f"{tmp_path}:{os.environ['PATH']}")
+    # a stand-in debugger on PATH (first): it records its arguments as the step's log
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = (out / "crash_bt.log").read_text().split()
+    assert args[:2] == ["-q", "-batch"] and "bt 60" in " ".join(args)
+    assert args[args.index("--args") + 1:] == ["echo", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", node]
+    proc, _ = _session(tmp_path, "crash_bt", PATH=f"{tmp_path}:{os.environ['PATH']}")
+    assert proc.returncode != 0 and "set CRASH_TESTS" in proc.stderr
 
 
 def test_every_step_by_default_and_unknown_steps_refused(tmp_path):
