@@ -76,6 +76,16 @@ __device__ __forceinline__ void store4(T* __restrict__ p, int64_t blk, int64_t n
   }
 }
 
+// The (seed, Philox counter) of one call's reserved state: counter = offset / 4 (see the top of this file).
+struct PhiloxKey {
+  uint64_t seed, counter;
+};
+
+__device__ __forceinline__ PhiloxKey philox_key(const at::PhiloxCudaState& philox) {
+  const auto unpacked = at::cuda::philox::unpack(philox);
+  return {std::get<0>(unpacked), std::get<1>(unpacked) / kDrawsPerSubsequence};
+}
+
 // Multipliers of group blk: scale where kept, 0 where dropped.
 template <typename opmath_t>
 __device__ __forceinline__ void keep_multipliers(uint64_t seed, uint64_t counter, int64_t blk, uint64_t threshold,
@@ -83,6 +93,21 @@ __device__ __forceinline__ void keep_multipliers(uint64_t seed, uint64_t counter
   at::Philox4_32 engine(seed, static_cast<uint64_t>(blk), counter);
 #pragma unroll
   for (int k = 0; k < 4; ++k) mult[k] = static_cast<uint64_t>(engine()) < threshold ? scale : opmath_t(0);
+}
+
+// dst = src * the keep multipliers of group blk (scale or 0, in opmath, rounded once), which land in mult:
+// dropout's scaling step, forward and backward alike.
+template <typename scalar_t, bool kVec>
+__device__ __forceinline__ void scale_group(const scalar_t* __restrict__ src, scalar_t* __restrict__ dst, int64_t blk,
+                                            int64_t n, uint64_t seed, uint64_t counter, uint64_t threshold,
+                                            at::opmath_type<scalar_t> scale, at::opmath_type<scalar_t> (&mult)[4]) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  keep_multipliers(seed, counter, blk, threshold, scale, mult);
+  scalar_t in[4], out[4];
+  load4<scalar_t, kVec>(src, blk, n, in);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) out[k] = static_cast<scalar_t>(static_cast<opmath_t>(in[k]) * mult[k]);
+  store4<scalar_t, kVec>(dst, blk, n, out);
 }
 
 // keep <=> draw < threshold; kept values are multiplied by scale.
@@ -101,9 +126,9 @@ __global__ void bias_dropout_add_fwd_kernel(const scalar_t* __restrict__ x, cons
   using opmath_t = at::opmath_type<scalar_t>;
   uint64_t seed = 0, counter = 0;
   if constexpr (kDropout) {
-    const auto unpacked = at::cuda::philox::unpack(philox);
-    seed = std::get<0>(unpacked);
-    counter = std::get<1>(unpacked) / kDrawsPerSubsequence;
+    const PhiloxKey key = philox_key(philox);
+    seed = key.seed;
+    counter = key.counter;
     if (blockIdx.x == 0 && threadIdx.x == 0) {
       rng_state[0] = static_cast<int64_t>(seed);
       rng_state[1] = static_cast<int64_t>(counter);
@@ -151,12 +176,7 @@ __global__ void bias_dropout_add_bwd_kernel(const scalar_t* __restrict__ grad, s
   for (int64_t blk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; blk < groups;
        blk += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     opmath_t mult[4];
-    keep_multipliers(seed, counter, blk, keep.threshold, scale, mult);
-    scalar_t gv[4], ov[4];
-    load4<scalar_t, kVec>(grad, blk, n, gv);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) ov[k] = static_cast<scalar_t>(static_cast<opmath_t>(gv[k]) * mult[k]);
-    store4<scalar_t, kVec>(dx, blk, n, ov);
+    scale_group<scalar_t, kVec>(grad, dx, blk, n, seed, counter, keep.threshold, scale, mult);
   }
 }
 
@@ -352,9 +372,7 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_add_bwd_cuda(const at::Tensor& g
 // draws per subsequence. Byte i is 1 where element i is kept, by the forward's keep rule.
 __global__ void dropout_mask_kernel(bool* __restrict__ mask, int64_t n, at::PhiloxCudaState philox,
                                     uint64_t threshold) {
-  const auto unpacked = at::cuda::philox::unpack(philox);
-  const uint64_t seed = std::get<0>(unpacked);
-  const uint64_t counter = std::get<1>(unpacked) / kDrawsPerSubsequence;
+  const auto [seed, counter] = philox_key(philox);
   const int64_t groups = (n + 3) / 4;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t blk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; blk < groups; blk += stride) {
@@ -393,20 +411,13 @@ template <typename scalar_t, bool kVec>
 __global__ void dropout_fwd_kernel(const scalar_t* __restrict__ x, scalar_t* __restrict__ y, bool* __restrict__ mask,
                                    int64_t n, at::PhiloxCudaState philox, Keep keep) {
   using opmath_t = at::opmath_type<scalar_t>;
-  const auto unpacked = at::cuda::philox::unpack(philox);
-  const uint64_t seed = std::get<0>(unpacked);
-  const uint64_t counter = std::get<1>(unpacked) / kDrawsPerSubsequence;
+  const auto [seed, counter] = philox_key(philox);
   const opmath_t scale = static_cast<opmath_t>(keep.scale);
   const int64_t groups = (n + 3) / 4;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t blk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; blk < groups; blk += stride) {
     opmath_t mult[4];
-    keep_multipliers(seed, counter, blk, keep.threshold, scale, mult);
-    scalar_t xv[4], yv[4];
-    load4<scalar_t, kVec>(x, blk, n, xv);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) yv[k] = static_cast<scalar_t>(static_cast<opmath_t>(xv[k]) * mult[k]);
-    store4<scalar_t, kVec>(y, blk, n, yv);
+    scale_group<scalar_t, kVec>(x, y, blk, n, seed, counter, keep.threshold, scale, mult);
     if constexpr (kVec) {
       uchar4 bytes;
       bytes.x = mult[0] != opmath_t(0);
