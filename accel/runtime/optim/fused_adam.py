@@ -101,7 +101,7 @@ def _in_layout(state: dict, p: torch.Tensor, amsgrad: bool) -> bool:
     if not (isinstance(step, torch.Tensor) and step.dtype is torch.float32 and step.dim() == 0
             and step.is_cuda == cuda and step.get_device() == index):
         return False
-    sdt = torch.float64 if p.dtype is torch.float64 else torch.float32
+    sdt = state_dtype(p.dtype)
     for key in STATE_KEYS:
         t = state.get(key)
         if t is None:
