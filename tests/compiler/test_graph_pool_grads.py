@@ -88,3 +88,13 @@ def test_an_uncompiled_model_is_refused():
     with pytest.raises(ValueError, match="model: expected a module compiled with model.compile()"):
         keep_grads_out_of_graph_pool(nn.Linear(2, 2))
     assert not has_graph_pool_grad_check(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("backend, cuda_graphs, checked", [("cuda", True, True), ("cuda", False, False),
+                                                            ("cpu", True, False)])
+def test_accelerate_puts_the_check_where_cuda_graphs_replay(backend, cuda_graphs, checked):
+    from accel.accelerate import _compile
+
+    model = nn.Linear(2, 2)
+    _compile(model, backend, cuda_graphs, n_shapes=1)  # compile() is lazy: nothing runs on a device here
+    assert has_graph_pool_grad_check(model) is checked
