@@ -541,7 +541,8 @@ def batch_counts(batch: dict, packed: bool) -> torch.Tensor:
     else:  # accelerate()'s loader drops a mask of ones (accel.data.full_mask): every token is real
         ids = batch["input_ids"]
         lengths = torch.full(ids.shape[:1], ids.shape[1], dtype=torch.long, device=ids.device)
-        samples = torch.tensor(ids.shape[0], device=ids.device)
+        samples = torch.full((), ids.shape[0], dtype=torch.long, device=ids.device)  # a fill: torch.tensor would
+        # copy from the host and wait for the device (a sync per step in this mode alone)
     return torch.stack([samples, lengths.sum(), lengths.pow(2).sum()])
 
 

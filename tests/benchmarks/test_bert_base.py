@@ -83,13 +83,21 @@ def test_guide_lengths_are_short_with_a_tail_to_the_maximum():
     assert sum(n > 256 for n in lengths) > 40       # and a batch of 128 usually holds a long one
 
 
-def test_batch_counts_padded_and_packed():
-    padded = {"attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])}
-    assert bert_base.batch_counts(padded, packed=False).tolist() == [2, 5, 9 + 4]
-    packed = {"segment_ids": torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1]])}
-    assert bert_base.batch_counts(packed, packed=True).tolist() == [3, 11, 4 + 9 + 36]
-    unmasked = {"input_ids": torch.ones(2, 5, dtype=torch.long)}  # accelerate() dropped a mask of ones
-    assert bert_base.batch_counts(unmasked, packed=False).tolist() == [2, 10, 25 + 25]
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_batch_counts_padded_and_packed(device):
+    padded = {"attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], device=device)}
+    packed = {"segment_ids": torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1]], device=device)}
+    unmasked = {"input_ids": torch.ones(2, 5, dtype=torch.long, device=device)}  # accelerate() dropped a mask of ones
+    # counted every step while CUDA steps are timed without a host sync: counting must not sync either
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        counts = [bert_base.batch_counts(padded, packed=False), bert_base.batch_counts(packed, packed=True),
+                  bert_base.batch_counts(unmasked, packed=False)]
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    assert [c.tolist() for c in counts] == [[2, 5, 9 + 4], [3, 11, 4 + 9 + 36], [2, 10, 25 + 25]]
 
 
 def _row(mode, first, final, same_data=True):
