@@ -88,12 +88,13 @@ def profile_mode(mode: str, ctx: bb.Context, warmup: int, steps: int, top: int) 
     busy_us = sum(t for _, t in times.values())
     kinds: dict[str, float] = {}
     for name, (_, t) in times.items():
-        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + t / steps / 1e3
+        kind = kind_of(name)
+        kinds[kind] = kinds.get(kind, 0.0) + t / steps / 1e3
     ranked = sorted(times.items(), key=lambda item: -item[1][1])[:top]
+    wall_ms, busy_ms = wall / steps * 1e3, busy_us / steps / 1e3
     return {**row, "status": "ok", "precision": run.precision, "steps": steps,
             # the profiler's own cost inflates wall time a little, and the same for every mode
-            "wall_ms": wall / steps * 1e3, "busy_ms": busy_us / steps / 1e3,
-            "gap_ms": max(wall / steps * 1e3 - busy_us / steps / 1e3, 0.0),
+            "wall_ms": wall_ms, "busy_ms": busy_ms, "gap_ms": max(wall_ms - busy_ms, 0.0),
             "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "top": [{"name": n, "calls_per_step": c / steps, "ms_per_step": t / steps / 1e3, "kind": kind_of(n)}
                     for n, (c, t) in ranked]}

@@ -486,8 +486,8 @@ TORCH_LIBRARY_FRAGMENT(accel, m) {
   // checkpointing (torch's run_and_save_rng_state) finds the device of an op without tensor inputs there.
   m.def("dropout_mask(SymInt[] size, float p, *, Device device) -> Tensor", {at::Tag::nondeterministic_seeded});
   // x * mask * scale (mask: bool of x's shape), dropout's scaling half as an op whose gradient is a C++
-  // node (csrc/autograd/bias_dropout_add_autograd.cpp): philox_dropout's eager call, as light per call
-  // as torch's own dropout. Implemented for every backend by ATen's native_dropout_backward.
+  // node (csrc/autograd/bias_dropout_add_autograd.cpp) calling the op again: the gradient of dropout_fwd's
+  // y. Its own one-pass kernel on the CPU, ATen's native_dropout_backward on every other backend.
   m.def("masked_scale(Tensor x, Tensor mask, float scale) -> Tensor");
   // (y, mask): the mask dropout_mask(x.shape, p) would draw, and y = masked_scale(x, mask, 1 / (1 - p)) (0 for
   // p = 1), drawn and written in one pass on CUDA: philox_dropout's eager forward. y's gradient is
