@@ -133,9 +133,11 @@ inline void check_lists(const at::TensorList& params, const at::TensorList& grad
                 "fused_adam_step: params[", i, "] has unsupported dtype ", dt);
     TORCH_CHECK(grads[i].scalar_type() == dt, "fused_adam_step: grads[", i, "] dtype differs from its param");
     TORCH_CHECK(grads[i].sizes() == params[i].sizes(), "fused_adam_step: grads[", i, "] shape differs from its param");
-    const auto st = state_dtype_for(dt);
-    TORCH_CHECK(exp_avgs[i].scalar_type() == st && exp_avg_sqs[i].scalar_type() == st,
-                "fused_adam_step: state of params[", i, "] must be ", st);
+    // the state in the compute type, or compact in the param's own dtype (torch.optim's layout)
+    const auto st = exp_avgs[i].scalar_type();
+    TORCH_CHECK((st == state_dtype_for(dt) || st == dt) && exp_avg_sqs[i].scalar_type() == st,
+                "fused_adam_step: state of params[", i, "] must be ", state_dtype_for(dt), " or ", dt,
+                ", exp_avg and exp_avg_sq alike");
     TORCH_CHECK(exp_avgs[i].numel() == params[i].numel() && exp_avg_sqs[i].numel() == params[i].numel(),
                 "fused_adam_step: state of params[", i, "] has the wrong size");
     if (amsgrad) {

@@ -1,6 +1,7 @@
 """Benchmark cases for benchmarks/kernels.py, one module per op (<op>.py, named like csrc/cpu/<op>.cpp).
 
-Each module defines `cases(device: str, quick: bool) -> list[Case]`. A Case is one op at one size:
+Each module defines `cases(device: str, quick: bool)`, a list of Case or a generator of them (which
+builds a case's inputs only when it is its turn, for ops with large ones). A Case is one op at one size:
 our implementation and every peer as zero-argument callables on pre-made inputs, plus the bytes an
 ideal implementation must move (read + write) so kernels.py can report GB/s against the device's
 measured copy bandwidth. `quick` asks for small sizes only (CPU smoke runs).

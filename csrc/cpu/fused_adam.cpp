@@ -23,17 +23,20 @@ namespace {
 
 using namespace fused_adam_host;
 
-// Elements [0, n) of one chunk, one at a time, through the update shared with the CUDA kernel.
-template <bool kAmsgrad, bool kCoupled, typename scalar_t, typename T>
-void adam_scalar(scalar_t* p, const scalar_t* g, T* m, T* v, T* vmax, int64_t n, const Coeffs<T>& c) {
+// Elements [0, n) of one chunk, one at a time, through the update shared with the CUDA kernel. The
+// state (state_t) is the math type T, or compact in the param's dtype: widened on load, rounded on store.
+template <bool kAmsgrad, bool kCoupled, typename scalar_t, typename state_t, typename T>
+void adam_scalar(scalar_t* p, const scalar_t* g, state_t* m, state_t* v, state_t* vmax, int64_t n,
+                 const Coeffs<T>& c) {
   for (int64_t i = 0; i < n; ++i) {
     // locals, so the compiler need not assume the stores alias the next loads
-    T pi = static_cast<T>(p[i]), mi = m[i], vi = v[i], xi = kAmsgrad ? vmax[i] : T(0);
+    T pi = static_cast<T>(p[i]), mi = static_cast<T>(m[i]), vi = static_cast<T>(v[i]);
+    T xi = kAmsgrad ? static_cast<T>(vmax[i]) : T(0);
     adam_element<T>(pi, static_cast<T>(g[i]), mi, vi, xi, c, kAmsgrad, kCoupled);
     p[i] = static_cast<scalar_t>(pi);
-    m[i] = mi;
-    v[i] = vi;
-    if constexpr (kAmsgrad) vmax[i] = xi;
+    m[i] = static_cast<state_t>(mi);
+    v[i] = static_cast<state_t>(vi);
+    if constexpr (kAmsgrad) vmax[i] = static_cast<state_t>(xi);
   }
 }
 
@@ -44,8 +47,8 @@ namespace avx512 = vec::avx512;
 
 // Returns how many leading elements it updated (a multiple of 16); the caller does the rest.
 // adam_element's operations one for one (fused_adam_host.h), so both loops give the same bits.
-template <bool kAmsgrad, bool kCoupled, typename scalar_t>
-ACCEL_AVX512 int64_t adam_avx512(scalar_t* p, const scalar_t* g, float* m, float* v, float* vmax, int64_t n,
+template <bool kAmsgrad, bool kCoupled, typename scalar_t, typename state_t>
+ACCEL_AVX512 int64_t adam_avx512(scalar_t* p, const scalar_t* g, state_t* m, state_t* v, state_t* vmax, int64_t n,
                                  const Coeffs<float>& c) {
   const __m512 scale = _mm512_set1_ps(c.scale), sign = _mm512_set1_ps(c.sign), decay = _mm512_set1_ps(c.decay);
   const __m512 wd = _mm512_set1_ps(c.wd), lerp_a = _mm512_set1_ps(c.lerp_a), beta2 = _mm512_set1_ps(c.beta2);
@@ -56,17 +59,17 @@ ACCEL_AVX512 int64_t adam_avx512(scalar_t* p, const scalar_t* g, float* m, float
     __m512 gi = _mm512_mul_ps(_mm512_div_ps(avx512::load(g + i), scale), sign);
     const __m512 pi = avx512::load(p + i);
     if constexpr (kCoupled) gi = _mm512_fmadd_ps(wd, pi, gi);
-    const __m512 mo = _mm512_loadu_ps(m + i);
+    const __m512 mo = avx512::load(m + i);
     const __m512 mi = _mm512_fmadd_ps(lerp_a, _mm512_sub_ps(gi, mo), c.lerp_low ? mo : gi);
-    _mm512_storeu_ps(m + i, mi);
-    const __m512 vi = _mm512_fmadd_ps(omb2, _mm512_mul_ps(gi, gi), _mm512_mul_ps(_mm512_loadu_ps(v + i), beta2));
-    _mm512_storeu_ps(v + i, vi);
+    avx512::store(m + i, mi);
+    const __m512 vi = _mm512_fmadd_ps(omb2, _mm512_mul_ps(gi, gi), _mm512_mul_ps(avx512::load(v + i), beta2));
+    avx512::store(v + i, vi);
     __m512 vx = vi;
     if constexpr (kAmsgrad) {
-      const __m512 vo = _mm512_loadu_ps(vmax + i);
+      const __m512 vo = avx512::load(vmax + i);
       const __mmask16 keep = _mm512_cmp_ps_mask(vo, vi, _CMP_GT_OQ) | _mm512_cmp_ps_mask(vo, vo, _CMP_UNORD_Q);
       vx = _mm512_mask_blend_ps(keep, vi, vo);
-      _mm512_storeu_ps(vmax + i, vx);
+      avx512::store(vmax + i, vx);
     }
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vx), bc2), eps);
     avx512::store(p + i, _mm512_fmadd_ps(pi, decay, _mm512_div_ps(_mm512_mul_ps(nss, mi), denom)));
@@ -75,22 +78,22 @@ ACCEL_AVX512 int64_t adam_avx512(scalar_t* p, const scalar_t* g, float* m, float
 }
 #endif
 
-template <bool kAmsgrad, bool kCoupled, typename scalar_t, typename T>
-void adam_chunk(scalar_t* p, const scalar_t* g, T* m, T* v, T* vm, int64_t n, const Coeffs<T>& c) {
+template <bool kAmsgrad, bool kCoupled, typename scalar_t, typename state_t, typename T>
+void adam_chunk(scalar_t* p, const scalar_t* g, state_t* m, state_t* v, state_t* vm, int64_t n, const Coeffs<T>& c) {
   int64_t done = 0;
 #if ACCEL_HAVE_X86_INTRINSICS
   if constexpr (std::is_same_v<T, float>) {
-    if (vec::avx512_enabled()) done = adam_avx512<kAmsgrad, kCoupled, scalar_t>(p, g, m, v, vm, n, c);
+    if (vec::avx512_enabled()) done = adam_avx512<kAmsgrad, kCoupled, scalar_t, state_t>(p, g, m, v, vm, n, c);
   }
 #endif
-  adam_scalar<kAmsgrad, kCoupled, scalar_t, T>(p + done, g + done, m + done, v + done,
-                                               kAmsgrad ? vm + done : vm, n - done, c);
+  adam_scalar<kAmsgrad, kCoupled, scalar_t, state_t, T>(p + done, g + done, m + done, v + done,
+                                                        kAmsgrad ? vm + done : vm, n - done, c);
 }
 
 // amsgrad and Adam's coupled decay change what is read: template flags, one loop each.
-template <typename scalar_t, typename T>
-void run_span(scalar_t* p, const scalar_t* g, T* m, T* v, T* vm, int64_t n, const Coeffs<T>& c, bool amsgrad,
-              bool coupled) {
+template <typename scalar_t, typename state_t, typename T>
+void run_span(scalar_t* p, const scalar_t* g, state_t* m, state_t* v, state_t* vm, int64_t n, const Coeffs<T>& c,
+              bool amsgrad, bool coupled) {
   if (amsgrad) {
     if (coupled) adam_chunk<true, true>(p, g, m, v, vm, n, c);
     else adam_chunk<true, false>(p, g, m, v, vm, n, c);
@@ -139,10 +142,16 @@ void fused_adam_step_cpu(at::TensorList params, at::TensorList grads, at::Tensor
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.p.scalar_type(), "fused_adam_step_cpu", [&] {
         using T = at::opmath_type<scalar_t>;
         const Coeffs<T> c = coeffs_for<T>(h, lr, scale, step_after[t]);
-        T* vm = amsgrad ? w.vm.mutable_data_ptr<T>() + begin : nullptr;
-        run_span<scalar_t, T>(w.p.mutable_data_ptr<scalar_t>() + begin, w.g.const_data_ptr<scalar_t>() + begin,
-                              w.m.mutable_data_ptr<T>() + begin, w.v.mutable_data_ptr<T>() + begin, vm, len, c,
-                              amsgrad, coupled);
+        auto span = [&](auto state_type) {
+          using state_t = decltype(state_type);
+          state_t* vm = amsgrad ? w.vm.mutable_data_ptr<state_t>() + begin : nullptr;
+          run_span<scalar_t, state_t, T>(w.p.mutable_data_ptr<scalar_t>() + begin,
+                                         w.g.const_data_ptr<scalar_t>() + begin,
+                                         w.m.mutable_data_ptr<state_t>() + begin,
+                                         w.v.mutable_data_ptr<state_t>() + begin, vm, len, c, amsgrad, coupled);
+        };
+        if (w.m.scalar_type() == w.p.scalar_type()) span(scalar_t{});  // compact state (or fp32/fp64 params)
+        else span(T{});
       });
     }
   });

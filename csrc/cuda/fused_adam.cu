@@ -146,15 +146,17 @@ __device__ __forceinline__ void store16(X* dst, const X (&r)[N]) {
 //  - meta.n >= 1, chunk_start[0] == 0 and chunk_start is non-decreasing.
 //  - No alignment: a chunk whose p, g, m, v (and vm) are all 16-byte aligned takes 16-byte accesses,
 //    16 / sizeof(scalar_t) elements a thread and iteration; any other chunk the scalar loop.
+//  - state_t (m, v, vm) is the math type T, or scalar_t itself (compact state, torch.optim's layout):
+//    widened to T on load, rounded on store.
 //  - *step[t] holds the count before this step: the advance kernel, launched after every update
 //    kernel on the same stream, increments it.
-template <typename scalar_t, int N>
+template <typename scalar_t, typename state_t, int N>
 __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMeta<N> meta, const AdamArgs a) {
   using T = at::opmath_type<scalar_t>;
   using fused_adam_host::adam_element;
-  // 16 bytes of p and g per thread and iteration; the state (T) takes one or two 16-byte pieces.
+  // 16 bytes of p and g per thread and iteration; the state takes one or two 16-byte pieces.
   constexpr int kVec = 16 / sizeof(scalar_t);
-  static_assert(kVec * sizeof(T) % 16 == 0, "the state is read in whole 16-byte pieces");
+  static_assert(kVec * sizeof(state_t) % 16 == 0, "the state is read in whole 16-byte pieces");
   if (a.found_inf != nullptr && *a.found_inf != 0.f) return;
   const bool coupled = a.h.coupled();
   const double lr = a.lr_ptr != nullptr ? *a.lr_ptr : a.lr;
@@ -172,9 +174,9 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
     const int64_t n = min(a.chunk_size, meta.numel[t] - begin);
     scalar_t* p = static_cast<scalar_t*>(meta.p[t]) + begin;
     const scalar_t* g = static_cast<const scalar_t*>(meta.g[t]) + begin;
-    T* m = static_cast<T*>(meta.m[t]) + begin;
-    T* v = static_cast<T*>(meta.v[t]) + begin;
-    T* vm = a.amsgrad ? static_cast<T*>(meta.vm[t]) + begin : nullptr;
+    state_t* m = static_cast<state_t*>(meta.m[t]) + begin;
+    state_t* v = static_cast<state_t*>(meta.v[t]) + begin;
+    state_t* vm = a.amsgrad ? static_cast<state_t*>(meta.vm[t]) + begin : nullptr;
     // torch increments the count before the bias corrections; the counter itself advances later.
     const fused_adam_host::Coeffs<T> c =
         fused_adam_host::coeffs_for<T>(a.h, lr, scale, static_cast<double>(*meta.step[t] + 1.f));
@@ -187,7 +189,7 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
       for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
         const int64_t i = k * kVec;
         scalar_t pr[kVec], gr[kVec];
-        T mr[kVec], vr[kVec], xr[kVec] = {};
+        state_t mr[kVec], vr[kVec], xr[kVec] = {};
         load16(pr, p + i);
         load16(gr, g + i);
         load16(mr, m + i);
@@ -195,9 +197,13 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
         if (vm != nullptr) load16(xr, vm + i);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          T pj = static_cast<T>(pr[j]);
-          adam_element<T>(pj, static_cast<T>(gr[j]), mr[j], vr[j], xr[j], c, a.amsgrad, coupled);
+          T pj = static_cast<T>(pr[j]), mj = static_cast<T>(mr[j]), vj = static_cast<T>(vr[j]);
+          T xj = static_cast<T>(xr[j]);
+          adam_element<T>(pj, static_cast<T>(gr[j]), mj, vj, xj, c, a.amsgrad, coupled);
           pr[j] = static_cast<scalar_t>(pj);
+          mr[j] = static_cast<state_t>(mj);
+          vr[j] = static_cast<state_t>(vj);
+          xr[j] = static_cast<state_t>(xj);
         }
         store16(p + i, pr);
         store16(m + i, mr);
@@ -208,13 +214,13 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
     }
     for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
       T pi = static_cast<T>(p[i]);
-      T mi = m[i], vi = v[i];
-      T xi = vm != nullptr ? vm[i] : T(0);
+      T mi = static_cast<T>(m[i]), vi = static_cast<T>(v[i]);
+      T xi = vm != nullptr ? static_cast<T>(vm[i]) : T(0);
       adam_element<T>(pi, static_cast<T>(g[i]), mi, vi, xi, c, a.amsgrad, coupled);
       p[i] = static_cast<scalar_t>(pi);
-      m[i] = mi;
-      v[i] = vi;
-      if (vm != nullptr) vm[i] = xi;
+      m[i] = static_cast<state_t>(mi);
+      v[i] = static_cast<state_t>(vi);
+      if (vm != nullptr) vm[i] = static_cast<state_t>(xi);
     }
   }
 }
@@ -245,9 +251,10 @@ bool large_args_ok() {
 
 using namespace fused_adam_host;
 
-// The update launches of one dtype group: `idx` lists its non-empty tensors, N a launch.
+// The update launches of one dtype group: `idx` lists its non-empty tensors, N a launch; `compact`: their
+// state is in the param dtype.
 template <int N>
-void launch_updates(at::ScalarType dt, const std::vector<size_t>& idx, const std::vector<Work>& work,
+void launch_updates(at::ScalarType dt, bool compact, const std::vector<size_t>& idx, const std::vector<Work>& work,
                     const std::vector<float*>& steps, const AdamArgs& a, int64_t max_blocks, cudaStream_t stream) {
   for (size_t i = 0; i < idx.size();) {
     TensorListMeta<N> meta{};
@@ -265,7 +272,8 @@ void launch_updates(at::ScalarType dt, const std::vector<size_t>& idx, const std
     }
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(meta.chunk_start[meta.n], max_blocks));
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "fused_adam_step_cuda", [&] {
-      fused_adam_kernel<scalar_t, N><<<blocks, kThreads, 0, stream>>>(meta, a);
+      if (compact) fused_adam_kernel<scalar_t, scalar_t, N><<<blocks, kThreads, 0, stream>>>(meta, a);
+      else fused_adam_kernel<scalar_t, at::opmath_type<scalar_t>, N><<<blocks, kThreads, 0, stream>>>(meta, a);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -334,13 +342,16 @@ void fused_adam_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
   const bool large = large_args_ok();
   const at::ScalarType dtypes[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble};
   for (const auto dt : dtypes) {
-    std::vector<size_t> idx;  // empty tensors have no chunks; only their steps advance, as in torch
-    for (size_t i = 0; i < n; ++i) {
-      if (params[i].scalar_type() == dt && params[i].numel() > 0) idx.push_back(i);
+    for (const bool compact : {false, true}) {  // fp32/fp64 state is the param dtype: never "compact"
+      std::vector<size_t> idx;  // empty tensors have no chunks; only their steps advance, as in torch
+      for (size_t i = 0; i < n; ++i) {
+        const bool in_dtype = exp_avgs[i].scalar_type() == dt && state_dtype_for(dt) != dt;
+        if (params[i].scalar_type() == dt && in_dtype == compact && params[i].numel() > 0) idx.push_back(i);
+      }
+      if (idx.empty()) continue;
+      if (large) launch_updates<kMaxTensorsLarge>(dt, compact, idx, work, step_ptrs, a, max_blocks, stream);
+      else launch_updates<kMaxTensorsSmall>(dt, compact, idx, work, step_ptrs, a, max_blocks, stream);
     }
-    if (idx.empty()) continue;
-    if (large) launch_updates<kMaxTensorsLarge>(dt, idx, work, step_ptrs, a, max_blocks, stream);
-    else launch_updates<kMaxTensorsSmall>(dt, idx, work, step_ptrs, a, max_blocks, stream);
   }
   // After every update launch, which read the counts before this step.
   if (large) launch_advance<kMaxStepsLarge>(step_ptrs, a.found_inf, stream);

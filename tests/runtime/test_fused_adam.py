@@ -1,5 +1,6 @@
 """FusedAdam / FusedAdamW against torch.optim.Adam / AdamW (foreach=False) as the reference."""
 import copy
+import functools
 import os
 
 import pytest
@@ -110,6 +111,98 @@ def test_reduced_precision_params_round_once_from_fp32(device, dtype, ours_cls, 
     for p in a:
         assert all(ours.state[p][k].dtype == torch.float32 for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
     _assert_state_close(ours, ref, a, master, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("decoupled", [False, True], ids=["adam", "adamw"])
+def test_compact_state_is_the_fp32_update_rounded_on_store(device, dtype, decoupled):
+    # compact state (the param's dtype): each step must equal the fp32-state kernel's step from the same
+    # values widened, with param and moments rounded once on store; every alignment and layout path
+    kw = dict(_HYPER, decoupled_weight_decay=decoupled, maximize=True)
+    ps, gs, ms, vs, xs = _awkward_views(device, dtype, compact=True)
+    steps = [torch.zeros((), device=device) for _ in ps]
+    for k in range(3):
+        wide = [[t.float() for t in lst] for lst in (ms, vs, xs)]
+        ref_p, ref_steps = [p.clone() for p in ps], [s.clone() for s in steps]
+        grads = [g * (k + 1) for g in gs]
+        fused_adam_step(ref_p, grads, *wide, ref_steps, **kw)
+        fused_adam_step(ps, grads, ms, vs, xs, steps, **kw)
+        for got, want in zip(ps + ms + vs + xs + steps, ref_p + sum(wide, []) + ref_steps):
+            assert got.dtype == (torch.float32 if got.dim() == 0 else dtype)
+            assert torch.equal(got, want.to(got.dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("ours_cls,ref_cls", PAIRS)
+def test_compact_state_matches_torch_fused(device, dtype, ours_cls, ref_cls):
+    # torch.optim's fused path keeps the state in the param dtype and computes in fp32, as compact_state
+    # does: the same numbers but where one fused multiply-add rounds once (AdamW's decay), one ulp apart
+    a = _params(device, dtype, shapes=SHAPES + [(4099,)])
+    b = _clone(a)
+    ours = ours_cls(a, lr=1e-2, weight_decay=0.1, amsgrad=True, compact_state=True)
+    ref = ref_cls(b, lr=1e-2, weight_decay=0.1, amsgrad=True, fused=True)
+    _step_both_and_compare(ours, a, ref, b, range(10), rtol=2 * torch.finfo(dtype).eps, atol=0)
+    same = sum(int(torch.eq(p, q).sum()) for p, q in zip(a, b))
+    assert same >= 0.99 * sum(p.numel() for p in a)
+    for p in a:
+        assert all(ours.state[p][k].dtype == dtype for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+    _assert_state_close(ours, ref, a, b, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+
+
+def test_compact_state_leaves_fp32_and_fp64_params_alone():
+    for dtype in (torch.float32, torch.float64):
+        a, b = _params("cpu", dtype), _params("cpu", dtype)
+        compact, plain = FusedAdamW(a, lr=1e-2, compact_state=True), FusedAdamW(b, lr=1e-2)
+        _step_both_and_compare(compact, a, plain, b, range(3), rtol=0, atol=0)
+        assert compact.state[a[0]]["exp_avg"].dtype == dtype
+
+
+def test_compact_state_loads_torch_state_as_it_is_and_the_default_widens_it():
+    a = _params("cpu", torch.bfloat16)
+    torch_opt = torch.optim.AdamW(a, lr=1e-2, amsgrad=True, fused=True)
+    _set_grads(a, _grads(a, 0))
+    torch_opt.step()
+    sd = torch_opt.state_dict()
+    for compact, want in ((True, torch.bfloat16), (False, torch.float32)):
+        b = _clone(a)
+        ours = FusedAdamW(b, lr=1.0, amsgrad=True, compact_state=compact)
+        ours.load_state_dict(copy.deepcopy(sd))
+        for p, q in zip(b, a):
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                assert ours.state[p][key].dtype == want
+                assert torch.equal(ours.state[p][key].float(), torch_opt.state[q][key].float())
+        if compact:  # continues as torch does
+            _step_both_and_compare(ours, b, torch_opt, a, range(1, 4),
+                                   rtol=2 * torch.finfo(torch.bfloat16).eps, atol=0)
+
+
+def test_compact_state_of_the_reference_path_is_updated_in_fp32():
+    # adam_reference (devices without kernels) widens compact state as the kernels do, found_inf included
+    for found in (0.0, 1.0):
+        k = _awkward_views("cpu", torch.bfloat16, compact=True)
+        r = _awkward_views("cpu", torch.bfloat16, compact=True)
+        before = [t.clone() for t in sum(r, [])]
+        steps_k, steps_r = ([torch.zeros(()) for _ in k[0]] for _ in range(2))
+        kw = dict(_HYPER, grad_scale=torch.tensor(4.0), found_inf=torch.tensor(found))
+        fused_adam_step(*k, steps_k, **kw)
+        adam_reference(*r, steps_r, **kw)
+        for tk, tr, tb in zip(sum(k, []), sum(r, []), before):
+            assert tr.dtype == torch.bfloat16
+            torch.testing.assert_close(tr, tk, rtol=2 * torch.finfo(torch.bfloat16).eps, atol=1e-6)
+            if found:
+                assert torch.equal(tr, tb)
+
+
+def test_the_kernel_refuses_state_of_two_dtypes_and_nothing_changes():
+    ps, gs, ms, vs, xs = _awkward_views("cpu", torch.bfloat16, compact=True)
+    vs = [v.float() for v in vs]  # exp_avg bf16, exp_avg_sq fp32
+    before = [t.clone() for t in ps + ms + vs]
+    with pytest.raises(RuntimeError, match=r"state of params\[0\] must be Float or BFloat16, exp_avg and "):
+        fused_adam_step(ps, gs, ms, vs, xs, [torch.zeros(()) for _ in ps], **_HYPER)
+    for t, b in zip(ps + ms + vs, before):
+        assert torch.equal(t, b)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -350,7 +443,7 @@ def test_torch_kwargs_are_accepted():
     ({"lr": -1.0}, "lr"), ({"lr": torch.ones(2)}, "lr"), ({"betas": (1.0, 0.9)}, "betas"),
     ({"betas": (0.9,)}, "betas"), ({"eps": -1e-8}, "eps"), ({"weight_decay": -0.1}, "weight_decay"),
     ({"amsgrad": "yes"}, "amsgrad"), ({"maximize": 1}, "maximize"), ({"differentiable": True}, "differentiable"),
-    ({"foreach": "no"}, "foreach"), ({"chunk_size": 0}, "chunk_size"),
+    ({"foreach": "no"}, "foreach"), ({"chunk_size": 0}, "chunk_size"), ({"compact_state": "yes"}, "compact_state"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -419,11 +512,12 @@ def test_a_chunk_larger_than_every_tensor_is_one_chunk(device):
         assert torch.equal(a, b)
 
 
-def _awkward_views(device, dtype):
+def _awkward_views(device, dtype, compact=False):
     """Odd sizes, a tensor of a view that starts mid-vector (not 16-byte aligned), a transposed
-    (non-contiguous) one and an empty one: every path of the kernels' alignment and layout logic."""
+    (non-contiguous) one and an empty one: every path of the kernels' alignment and layout logic.
+    `compact`: the state in the param dtype."""
     gen = torch.Generator().manual_seed(3)
-    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+    sdt = dtype if compact else torch.float64 if dtype == torch.float64 else torch.float32
 
     def make(shape, dt):
         return torch.randn(shape, generator=gen).to(device=device, dtype=dt)
@@ -480,16 +574,20 @@ def test_cuda_many_tensors_mixed_dtypes_equal_cpu_kernel():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("dtype,compact", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
+                                           (torch.float64, False), (torch.bfloat16, True), (torch.float16, True)],
+                         ids=["fp32", "bf16", "fp16", "fp64", "bf16-compact", "fp16-compact"])
 @pytest.mark.parametrize("decoupled", [False, True], ids=["adam", "adamw"])
-def test_cuda_kernel_equals_cpu_kernel(dtype, decoupled):
+def test_cuda_kernel_equals_cpu_kernel(dtype, compact, decoupled):
     # Both devices run fused_adam_host::adam_element with a pinned rounding sequence: the same bits
-    # for unaligned views, strided tensors, odd sizes and chunk starts mid-vector. float64 may differ
-    # in the last bit of the bias corrections (the device's pow is not correctly rounded).
+    # for unaligned views, strided tensors, odd sizes and chunk starts mid-vector, with the state in
+    # fp32 or compact. float64 may differ in the last bit of the bias corrections (the device's pow is
+    # not correctly rounded).
     kw = dict(lr=torch.tensor(1e-2), beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=True,
               maximize=True, decoupled_weight_decay=decoupled)
-    cpu = _kernel_run("cpu", dtype, _awkward_views, **kw)
-    cuda = _kernel_run("cuda", dtype, _awkward_views, **kw)
+    views = functools.partial(_awkward_views, compact=compact)
+    cpu = _kernel_run("cpu", dtype, views, **kw)
+    cuda = _kernel_run("cuda", dtype, views, **kw)
     for c, g in zip(cpu, cuda):
         if dtype == torch.float64:
             torch.testing.assert_close(g, c, rtol=1e-14, atol=1e-15)

@@ -190,8 +190,9 @@ def _nms_soft(device, dtype, gen, *, method=2, labelled=False, scores_grad=False
     return boxes, scores.requires_grad_(scores_grad), labels, 0.3, 0.5, 1e-3, method
 
 
-def _fused_adam_step(device, dtype, gen, *, amsgrad=False, scaler=False, lr_tensor=False, decoupled=False):
-    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+def _fused_adam_step(device, dtype, gen, *, amsgrad=False, scaler=False, lr_tensor=False, decoupled=False,
+                     compact=False):
+    sdt = dtype if compact else torch.float64 if dtype == torch.float64 else torch.float32
     shapes = [(5, 7), (13,), (2, 3, 4)]
     params = [_randn(s, device, dtype, gen) for s in shapes]
     grads = [_randn(s, device, dtype, gen) for s in shapes]
@@ -285,6 +286,7 @@ CASES = [
     Case("fused_adam_step", "amsgrad_adamw", _fused_adam_step, (F32,), {"amsgrad": True, "decoupled": True}),
     Case("fused_adam_step", "grad_scaler", _fused_adam_step, (F32, BF16), {"scaler": True}),
     Case("fused_adam_step", "lr_tensor", _fused_adam_step, (F32,), {"lr_tensor": True}),
+    Case("fused_adam_step", "compact_state", _fused_adam_step, (BF16,), {"compact": True, "amsgrad": True}),
     Case("dcn_v2_fwd", "modulated", _dcn_v2_fwd, (F32, F64)),
     Case("dcn_v2_fwd", "v1_no_bias", _dcn_v2_fwd, (F32,), {"masked": False, "bias": False}),
     Case("dcn_v2_fwd", "groups_stride", _dcn_v2_fwd, (F32,), {"groups": 2, "offset_groups": 2, "stride": 2}),

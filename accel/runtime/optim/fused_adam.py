@@ -10,7 +10,10 @@ torch's by one rounding per step where the kernel fuses a multiply into an add.
 Precision: fp32, fp16 and bf16 parameters keep their state (exp_avg, exp_avg_sq, max_exp_avg_sq) in
 fp32 (fp64 parameters in fp64). A reduced-precision parameter is widened to fp32, updated in fp32
 and rounded once on store: the result equals torch.optim on an fp32 copy of the parameter that is
-rounded to the parameter's dtype after every step.
+rounded to the parameter's dtype after every step. `compact_state=True` keeps the state of fp16/bf16
+parameters in their own dtype instead, as torch.optim.Adam does (its fused path too): 14 bytes moved
+per bf16 parameter and step instead of 22, and half the state's memory; the math stays fp32, the
+moments are rounded on store like the parameter.
 
 Sync-free with a GradScaler: `step(found_inf=..., grad_scale=...)` (or the `found_inf` /
 `grad_scale` attributes torch.amp.GradScaler sets) divides the grads by grad_scale inside the kernel
@@ -44,8 +47,10 @@ def _ops():
     return _build.ops("fused_adam", _register)
 
 
-def state_dtype(param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the optimizer state of a parameter: its compute type."""
+def state_dtype(param_dtype: torch.dtype, compact: bool = False) -> torch.dtype:
+    """The dtype of the optimizer state of a parameter: its compute type, or with `compact` its own."""
+    if compact:
+        return param_dtype
     return torch.float64 if param_dtype == torch.float64 else torch.float32
 
 
@@ -87,21 +92,30 @@ def adam_reference(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
     the params' device, as the kernels take it."""
     if params and isinstance(lr, torch.Tensor):
         lr = lr.detach().to(device=params[0].device, dtype=torch.float64)
-    _syncfree_functional.adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, found_inf,
-                              amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay,
-                              eps=eps, maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
-                              grad_scale=grad_scale)
+    # compact state (an fp16/bf16 param's own dtype) is updated in fp32, as the kernels do, rounded on store
+    states = (exp_avgs, exp_avg_sqs, max_exp_avg_sqs)[:3 if amsgrad else 2]
+    work = [list(lst) for lst in states]
+    compact = [i for i, (p, m) in enumerate(zip(params, exp_avgs)) if m.dtype != state_dtype(p.dtype)]
+    for i in compact:
+        for lst in work:
+            lst[i] = lst[i].float()
+    _syncfree_functional.adam(params, grads, work[0], work[1], work[2] if amsgrad else max_exp_avg_sqs, steps,
+                              found_inf, amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr,
+                              weight_decay=weight_decay, eps=eps, maximize=maximize,
+                              decoupled_weight_decay=decoupled_weight_decay, grad_scale=grad_scale)
+    for i in compact:
+        for lst, wide in zip(states, work):
+            lst[i].copy_(wide[i])
 
 
-def _in_layout(state: dict, p: torch.Tensor, amsgrad: bool) -> bool:
+def _in_layout(state: dict, p: torch.Tensor, amsgrad: bool, sdt: torch.dtype) -> bool:
     """Whether FusedAdam._state_for would leave `state` as it is: a float32 0-dim step and the moments (the
-    maximum too with amsgrad) in the state dtype, all on p's device. Cheap, for the per-step path."""
+    maximum too with amsgrad) in the state dtype `sdt`, all on p's device. Cheap, for the per-step path."""
     cuda, index = p.is_cuda, p.get_device()
     step = state.get("step")
     if not (isinstance(step, torch.Tensor) and step.dtype is torch.float32 and step.dim() == 0
             and step.is_cuda == cuda and step.get_device() == index):
         return False
-    sdt = state_dtype(p.dtype)
     for key in STATE_KEYS:
         t = state.get(key)
         if t is None:
@@ -150,7 +164,8 @@ class FusedAdam(torch.optim.Optimizer):
 
     Accepted for compatibility and validated: foreach and fused (ignored: this class always runs the
     multi-tensor kernel), capturable (the step is sync-free either way). differentiable=True is
-    refused: the kernel is not differentiable. `chunk_size` sets the elements per work item.
+    refused: the kernel is not differentiable. `chunk_size` sets the elements per work item;
+    `compact_state` keeps the state of fp16/bf16 params in their dtype (module docstring).
     """
 
     _step_supports_found_inf = True   # accel's GradScaler passes found_inf / grad_scale to step()
@@ -160,7 +175,7 @@ class FusedAdam(torch.optim.Optimizer):
                  weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: Optional[bool] = None,
                  maximize: bool = False, capturable: bool = False, differentiable: bool = False,
                  fused: Optional[bool] = None, decoupled_weight_decay: bool = False,
-                 chunk_size: int = CHUNK_SIZE):
+                 chunk_size: int = CHUNK_SIZE, compact_state: bool = False):
         if isinstance(lr, torch.Tensor):
             if lr.numel() != 1:
                 raise ValueError(f"lr: expected a float or a one-element tensor, got shape {tuple(lr.shape)}")
@@ -187,6 +202,8 @@ class FusedAdam(torch.optim.Optimizer):
         _check_flag("foreach", foreach, (None, True, False))
         _check_flag("fused", fused, (None, True, False))
         _check_flag("differentiable", differentiable, (False,))
+        _check_flag("compact_state", compact_state)
+        self.compact_state = compact_state
         if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
             raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
         self.chunk_size = chunk_size
@@ -255,9 +272,9 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _state_for(self, p, amsgrad: bool):
         state = self.state[p]
-        if state and _in_layout(state, p, amsgrad):
+        sdt = state_dtype(p.dtype, self.compact_state)
+        if state and _in_layout(state, p, amsgrad, sdt):
             return state  # every step after the first: nothing to create or convert
-        sdt = state_dtype(p.dtype)
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             state["exp_avg"] = torch.zeros(p.shape, dtype=sdt, device=p.device)
@@ -316,7 +333,7 @@ class FusedAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class or of torch.optim.Adam/AdamW. The base class casts state
         to each parameter's dtype, which would round fp32 moments of fp16/bf16 params; the original
-        tensors are put back in our layout (fp32 state, float32 step on the param's device)."""
+        tensors are put back in our layout (the state dtype, float32 step on the param's device)."""
         original = {pid: dict(s) for pid, s in state_dict["state"].items()}
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         super().load_state_dict(state_dict)
@@ -329,7 +346,8 @@ class FusedAdam(torch.optim.Optimizer):
                     value = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
                     self.state[p][key] = value.detach().to(device=p.device, dtype=torch.float32).reshape(())
                 elif key in STATE_KEYS and isinstance(value, torch.Tensor):
-                    self.state[p][key] = value.detach().to(device=p.device, dtype=state_dtype(p.dtype))
+                    self.state[p][key] = value.detach().to(device=p.device,
+                                                           dtype=state_dtype(p.dtype, self.compact_state))
 
 
 class FusedAdamW(FusedAdam):
@@ -338,7 +356,7 @@ class FusedAdamW(FusedAdam):
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: Optional[bool] = None, capturable: bool = False, differentiable: bool = False,
-                 fused: Optional[bool] = None, chunk_size: int = CHUNK_SIZE):
+                 fused: Optional[bool] = None, chunk_size: int = CHUNK_SIZE, compact_state: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True, chunk_size=chunk_size)
+                         decoupled_weight_decay=True, chunk_size=chunk_size, compact_state=compact_state)
