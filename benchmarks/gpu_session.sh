@@ -18,7 +18,8 @@
 # env     environment (nvidia-smi, versions)              -> $OUT/env.log
 # build   every kernel in csrc/ built, 7 in parallel       -> $OUT/build_<op>.log (cache: $ACCEL_EXT_DIR under /root)
 # crash_bt  $CRASH_TESTS (node ids) under cuda-gdb, only when named -> $OUT/crash_bt.log (native backtrace)
-# throw_probe  tools/throw_probe.py: $PROBE_OP built 4 ways, $PROBE_TESTS run on each, only when named
+# throw_probe  tools/throw_probe.py: $PROBE_OP built 4 ways, $PROBE_TESTS run on each (and once more with a
+#              CUDA context made first), only when named
 #              -> $OUT/throw_probe.log (table) and $OUT/throw_probe/ (logs)
 # pytest  the GPU-relevant tests, pytest -n 16 -v          -> $OUT/pytest.log
 # bert_base     benchmarks/bert_base.py ($BERT_ARGS)       -> $OUT/bert_base.log, bert_base_cuda.json/png

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from accel.runtime import _build
 
@@ -61,8 +62,13 @@ def test_a_run_reports_a_crash_by_its_signal_and_a_raise_as_passed(tmp_path, cap
         "    os.kill(os.getpid(), signal.SIGSEGV)\n")
     cases = tmp_path / "test_cases.py"
     out = str(tmp_path / "out")  # the second run finds the first one's build there
-    assert throw_probe.main(["--op", "quick_gelu", "--variants", "as-is", "--out", out, f"{cases}::test_raises"]) == 0
-    assert "| as-is | passed (" in capsys.readouterr().out
+    assert throw_probe.main(["--op", "quick_gelu", "--variants", "as-is,cuda-context", "--out", out,
+                             f"{cases}::test_raises"]) == 0
+    table = capsys.readouterr().out
+    assert "| as-is | passed (" in table
+    # the same build, run again after a CUDA tensor was made (where there is a GPU)
+    assert ("| cuda-context | passed (" if torch.cuda.is_available() else "| cuda-context | not run: no CUDA") in table
+    assert not (tmp_path / "out" / "ext" / "cuda-context").exists()
     throw_probe.main(["--op", "quick_gelu", "--variants", "as-is", "--out", out, str(cases)])
     table = capsys.readouterr().out
     assert "| as-is | killed by SIGSEGV (" in table and "libstdc++" in table

@@ -10,6 +10,8 @@ folder of its own and all at once, then runs TESTS in a fresh process per varian
     cpu-only   without the .cu file: is it the two compilers' objects in one library?
     no-native  without -march=native
     no-openmp  without -fopenmp
+    cuda-context  the as-is build, with CUDA initialised (a tensor on the GPU) before the tests: does the
+               crash need the driver in the process, as in the GPU run's workers, which ran CUDA tests first?
 
     python tools/throw_probe.py --op fused_adam TESTS... [--variants as-is,no-native] [--out DIR]
 
@@ -29,7 +31,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("as-is", "cpu-only", "no-native", "no-openmp")
+VARIANTS = ("as-is", "cpu-only", "no-native", "no-openmp", "cuda-context")
+NO_CUDA = 77  # the cuda-context child's exit status where there is no GPU
 
 
 def apply(variant: str) -> None:
@@ -43,7 +46,7 @@ def apply(variant: str) -> None:
         _build.cxx_flags = lambda cuda, native=True: flags(cuda, native=False)
     elif variant == "no-openmp":
         _build.OPENMP_FLAGS = ()
-    elif variant != "as-is":
+    elif variant not in ("as-is", "cuda-context"):
         raise ValueError(f"variant: expected one of {', '.join(VARIANTS)}, got {variant!r}")
 
 
@@ -56,6 +59,13 @@ def _child(variant: str, op: str, tests: list[str]) -> int:
         return 0
     import pytest
 
+    if variant == "cuda-context":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("cuda-context: no CUDA device here", flush=True)
+            return NO_CUDA
+        torch.ones(1, device="cuda").add_(1).cpu()  # the driver loaded and a context made
     # before the tests: a test that crashes the process leaves no later line
     libs = sorted({line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
                    if "libgcc_s" in line or "libstdc++" in line})
@@ -64,13 +74,19 @@ def _child(variant: str, op: str, tests: list[str]) -> int:
 
 
 def _ended(code: int) -> str:
+    if code == NO_CUDA:
+        return "not run: no CUDA device"
     if code < 0:
         return f"killed by {signal.Signals(-code).name}"
     return "passed" if code == 0 else f"exit {code}"
 
 
+def _build_of(variant: str) -> str:
+    return "as-is" if variant == "cuda-context" else variant  # the same build, another process state
+
+
 def _run(variant: str, op: str, tests: list[str], ext: Path, log: Path, timeout: float) -> tuple[int, float]:
-    env = {**os.environ, "ACCEL_EXT_DIR": str(ext / variant), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "ACCEL_EXT_DIR": str(ext / _build_of(variant)), "PYTHONPATH": str(ROOT)}
     t0 = time.monotonic()
     with log.open("w") as f:
         try:
@@ -110,13 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     out = a.out or Path(tempfile.mkdtemp(prefix="throw_probe_"))
     out.mkdir(parents=True, exist_ok=True)
     ext = out / "ext"
-    # the builds at once (each compiler job is single-threaded), then the tests one variant at a time
-    builds = {v: subprocess.Popen([sys.executable, __file__, "--child", v, "--op", a.op], cwd=ROOT,
-                                  env={**os.environ, "ACCEL_EXT_DIR": str(ext / v), "PYTHONPATH": str(ROOT)},
-                                  stdout=(out / f"build_{v}.log").open("w"), stderr=subprocess.STDOUT)
-              for v in variants}
+    # the builds at once, one per folder (each compiler job is single-threaded), then the tests one variant
+    # at a time; a build that several variants share is waited for by each of them (the second wait returns)
+    builds = {b: subprocess.Popen([sys.executable, __file__, "--child", b, "--op", a.op], cwd=ROOT,
+                                  env={**os.environ, "ACCEL_EXT_DIR": str(ext / b), "PYTHONPATH": str(ROOT)},
+                                  stdout=(out / f"build_{b}.log").open("w"), stderr=subprocess.STDOUT)
+              for b in dict.fromkeys(_build_of(v) for v in variants)}
     rows = []
-    for v, proc in builds.items():
+    for v in variants:
+        proc = builds[_build_of(v)]
         try:
             built = proc.wait(timeout=a.timeout)
         except subprocess.TimeoutExpired:
