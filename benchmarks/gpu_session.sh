@@ -143,7 +143,8 @@ if want pytest; then
   mapfile -t TESTS < <(existing_paths tests/runtime tests/amp tests/data tests/compiler tests/test_checkpoint.py \
     tests/test_accelerate.py tests/test_config.py)
   # -v: one line per test as it ends, so a run stopped by its timeout still shows what failed
-  step pytest "$(budget pytest 300)" "$PY" -m pytest -v -n 16 -p no:cacheprovider "${TESTS[@]}"
+  # --durations: which tests take the call's time, for choosing what to run when time is short
+  step pytest "$(budget pytest 300)" "$PY" -m pytest -v -n 16 --durations=30 -p no:cacheprovider "${TESTS[@]}"
 fi
 if want bert_base; then
   BERT_S=$(budget bert_base 330)
