@@ -2,6 +2,7 @@
 import copy
 import functools
 import os
+import pickle
 
 import pytest
 import torch
@@ -408,6 +409,21 @@ def test_state_dict_round_trip_through_torch_adam():
     step_t = back.state[back_params[0]]["step"]
     assert step_t.dtype == torch.float32 and step_t.item() == 8
     _step_both_and_compare(back, back_params, torch_opt, t, range(8, 10))
+
+
+@pytest.mark.parametrize("copier", [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))], ids=["deepcopy", "pickle"])
+def test_a_copied_optimizer_keeps_its_own_options_and_steps_like_the_original(copier):
+    # torch.optim.Optimizer pickles defaults, state and param_groups only: chunk_size and compact_state
+    # must travel too (a copy without them failed at its first step)
+    a = _params("cpu", torch.bfloat16)
+    ours = FusedAdamW(a, lr=1e-2, chunk_size=5, compact_state=True)
+    _set_grads(a, _grads(a, 0))
+    ours.step()
+    twin = copier(ours)
+    assert (twin.chunk_size, twin.compact_state) == (5, True)
+    b = twin.param_groups[0]["params"]
+    _step_both_and_compare(ours, a, twin, b, range(1, 3), rtol=0, atol=0)
+    assert twin.state[b[0]]["exp_avg"].dtype == torch.bfloat16
 
 
 def test_state_dict_keeps_fp32_state_of_bf16_params():

@@ -229,8 +229,14 @@ class FusedAdam(torch.optim.Optimizer):
                 raise ValueError(f"params: all params of a group must be on one device; param {k} is on "
                                  f"{p.device}, param 0 on {params[0].device}")
 
+    def __getstate__(self):
+        # torch.optim.Optimizer pickles defaults, state and param_groups only; these two are ours
+        return {**super().__getstate__(), "chunk_size": self.chunk_size, "compact_state": self.compact_state}
+
     def __setstate__(self, state):
         super().__setstate__(state)
+        self.__dict__.setdefault("chunk_size", CHUNK_SIZE)  # pickled before they were kept
+        self.__dict__.setdefault("compact_state", False)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
