@@ -3,6 +3,7 @@ import copy
 import functools
 import os
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -424,6 +425,33 @@ def test_a_copied_optimizer_keeps_its_own_options_and_steps_like_the_original(co
     b = twin.param_groups[0]["params"]
     _step_both_and_compare(ours, a, twin, b, range(1, 3), rtol=0, atol=0)
     assert twin.state[b[0]]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_state_changed_between_steps_is_seen_and_a_dropped_state_is_freed():
+    # the per-step path trusts the state tensors it found in layout the step before, by identity: a state
+    # replaced, cleared or of another layout since must be (re)built, and nothing it saw may be kept alive
+    a = _params("cpu", torch.bfloat16)
+    ours = FusedAdamW(a, lr=1e-2, amsgrad=True)
+    _set_grads(a, _grads(a, 0))
+    ours.step()
+    old = weakref.ref(ours.state[a[0]]["exp_avg"])
+    ours.state[a[0]].clear()  # a reset of one param's state
+    ours.state[a[1]]["exp_avg"] = torch.zeros_like(a[1])  # bf16 where the layout is fp32
+    assert old() is None
+    fresh = FusedAdamW(_clone(a[:1]), lr=1e-2, amsgrad=True)
+    _set_grads(a, _grads(a, 1))
+    _set_grads(fresh.param_groups[0]["params"], _grads(a, 1)[:1])
+    ours.step()
+    fresh.step()
+    assert torch.equal(a[0], fresh.param_groups[0]["params"][0])
+    assert ours.state[a[0]]["step"].item() == 1 and ours.state[a[2]]["step"].item() == 2
+    assert ours.state[a[1]]["exp_avg"].dtype == torch.float32
+    assert torch.equal(ours.state[a[1]]["exp_avg"], 0.1 * _grads(a, 1)[1].float())
+    ours.compact_state = True  # every param's layout changes
+    _set_grads(a, _grads(a, 2))
+    ours.step()
+    for p in a:
+        assert all(ours.state[p][k].dtype == torch.bfloat16 for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
 
 
 def test_state_dict_keeps_fp32_state_of_bf16_params():

@@ -26,6 +26,7 @@ CPU and CUDA tensors run the kernels in csrc/{cpu,cuda}/fused_adam.*; tensors on
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -36,6 +37,10 @@ from accel.runtime import _build
 CHUNK_SIZE = 1 << 16  # elements per work item (CPU thread task / CUDA block)
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _absent():  # stands for a weakref.ref in FusedAdam._seen where the key was absent: nothing there
+    return None
 
 
 def _register():
@@ -204,6 +209,7 @@ class FusedAdam(torch.optim.Optimizer):
         _check_flag("differentiable", differentiable, (False,))
         _check_flag("compact_state", compact_state)
         self.compact_state = compact_state
+        self._seen: dict = {}  # per param: what _state_for last found in layout (see there)
         if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
             raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
         self.chunk_size = chunk_size
@@ -237,6 +243,7 @@ class FusedAdam(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("chunk_size", CHUNK_SIZE)  # pickled before they were kept
         self.__dict__.setdefault("compact_state", False)
+        self._seen = {}
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -279,8 +286,22 @@ class FusedAdam(torch.optim.Optimizer):
     def _state_for(self, p, amsgrad: bool):
         state = self.state[p]
         sdt = state_dtype(p.dtype, self.compact_state)
-        if state and _in_layout(state, p, amsgrad, sdt):
-            return state  # every step after the first: nothing to create or convert
+        get = state.get
+        seen = self._seen.get(p)
+        if (seen is not None and seen[0] is sdt and seen[1] == p.get_device() and seen[2]() is get("step") is not None
+                and seen[3]() is get("exp_avg") is not None and seen[4]() is get("exp_avg_sq") is not None
+                and (not amsgrad or seen[5]() is get("max_exp_avg_sq") is not None)):
+            return state  # every step after the first: the tensors found in layout last time, still there
+        if not (state and _in_layout(state, p, amsgrad, sdt)):
+            self._to_layout(state, p, amsgrad, sdt)
+        # weak references: a state the user drops (or load_state_dict replaces) is freed, not kept by this
+        self._seen[p] = (sdt, p.get_device(), *(weakref.ref(state[k]) if k in state else _absent
+                                                for k in ("step",) + STATE_KEYS))
+        return state
+
+    @staticmethod
+    def _to_layout(state: dict, p: torch.Tensor, amsgrad: bool, sdt: torch.dtype) -> None:
+        """Create the state of a param's first step, or bring state loaded from elsewhere to our layout."""
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             state["exp_avg"] = torch.zeros(p.shape, dtype=sdt, device=p.device)
@@ -297,7 +318,6 @@ class FusedAdam(torch.optim.Optimizer):
             t = state.get(key)
             if t is not None and (t.dtype != sdt or t.device != p.device):
                 state[key] = t.detach().to(device=p.device, dtype=sdt)
-        return state
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, found_inf: Optional[torch.Tensor] = None,
