@@ -1,10 +1,11 @@
 """Which build of an op turns a C++ error into a crash? Build it several ways and run tests that make it raise.
 
-On the H200 machine of 2026-11-26 (gcc 13.3, Python 3.12, torch 2.11+cu130) every test whose op raised a
-TORCH_CHECK from a g++-compiled file died with SIGSEGV (dcn_v2, fused_adam, masked_scale), while the same
-checks raised from the nvcc-compiled files, and everything on the development machines (gcc 12; also with
--march=sapphirerapids and Ubuntu's hardening flags), passed. This builds OP once per variant, each in a
-folder of its own and all at once, then runs TESTS in a fresh process per variant:
+On the H200 machine of 2026-11-26 (Ubuntu's Python 3.12.3, torch 2.11+cu130) every test whose op raised a
+TORCH_CHECK from a g++-compiled file died with SIGSEGV (dcn_v2, fused_adam, masked_scale), while checks
+raised from the nvcc-compiled files passed; on the development machines everything passes (gcc 12, also
+with -march=sapphirerapids and Ubuntu's hardening flags; an Ubuntu 24.04 chroot with gcc 13.3 and that
+machine's torch, CUDA sources included). This builds OP once per variant, each in a folder of its own and
+all at once, then runs TESTS in a fresh process per variant:
 
     as-is      the build accel makes (C++ + CUDA where CUDA is present)
     cpu-only   without the .cu file: is it the two compilers' objects in one library?
