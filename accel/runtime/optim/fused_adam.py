@@ -113,24 +113,6 @@ def adam_reference(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
             lst[i].copy_(wide[i])
 
 
-def _in_layout(state: dict, p: torch.Tensor, amsgrad: bool, sdt: torch.dtype) -> bool:
-    """Whether FusedAdam._state_for would leave `state` as it is: a float32 0-dim step and the moments (the
-    maximum too with amsgrad) in the state dtype `sdt`, all on p's device. Cheap, for the per-step path."""
-    cuda, index = p.is_cuda, p.get_device()
-    step = state.get("step")
-    if not (isinstance(step, torch.Tensor) and step.dtype is torch.float32 and step.dim() == 0
-            and step.is_cuda == cuda and step.get_device() == index):
-        return False
-    for key in STATE_KEYS:
-        t = state.get(key)
-        if t is None:
-            if key != "max_exp_avg_sq" or amsgrad:
-                return False
-        elif t.dtype is not sdt or t.is_cuda != cuda or t.get_device() != index:
-            return False
-    return True
-
-
 def _check_flag(name: str, value, allowed=(True, False)) -> None:
     if value not in allowed or not (value is None or isinstance(value, bool)):
         raise ValueError(f"{name}: expected one of {allowed}, got {value!r}")
@@ -292,8 +274,7 @@ class FusedAdam(torch.optim.Optimizer):
                 and seen[3]() is get("exp_avg") is not None and seen[4]() is get("exp_avg_sq") is not None
                 and (not amsgrad or seen[5]() is get("max_exp_avg_sq") is not None)):
             return state  # every step after the first: the tensors found in layout last time, still there
-        if not (state and _in_layout(state, p, amsgrad, sdt)):
-            self._to_layout(state, p, amsgrad, sdt)
+        self._to_layout(state, p, amsgrad, sdt)
         # weak references: a state the user drops (or load_state_dict replaces) is freed, not kept by this
         self._seen[p] = (sdt, p.get_device(), *(weakref.ref(state[k]) if k in state else _absent
                                                 for k in ("step",) + STATE_KEYS))
@@ -301,7 +282,8 @@ class FusedAdam(torch.optim.Optimizer):
 
     @staticmethod
     def _to_layout(state: dict, p: torch.Tensor, amsgrad: bool, sdt: torch.dtype) -> None:
-        """Create the state of a param's first step, or bring state loaded from elsewhere to our layout."""
+        """Create the state of a param's first step, or bring state loaded from elsewhere (or changed since the
+        last step) to our layout: a float32 0-dim step and the moments in `sdt`, all on p's device."""
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             state["exp_avg"] = torch.zeros(p.shape, dtype=sdt, device=p.device)
