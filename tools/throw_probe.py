@@ -86,13 +86,18 @@ def _build_of(variant: str) -> str:
     return "as-is" if variant == "cuda-context" else variant  # the same build, another process state
 
 
+def _child_call(variant: str, op: str, ext: Path, tests: list[str] = ()) -> dict:
+    """subprocess arguments of a child: `variant`'s build of `op` in its folder under `ext`, then `tests`."""
+    return dict(args=[sys.executable, __file__, "--child", variant, "--op", op, *tests], cwd=ROOT,
+                env={**os.environ, "ACCEL_EXT_DIR": str(ext / _build_of(variant)), "PYTHONPATH": str(ROOT)})
+
+
 def _run(variant: str, op: str, tests: list[str], ext: Path, log: Path, timeout: float) -> tuple[int, float]:
-    env = {**os.environ, "ACCEL_EXT_DIR": str(ext / _build_of(variant)), "PYTHONPATH": str(ROOT)}
     t0 = time.monotonic()
     with log.open("w") as f:
         try:
-            code = subprocess.run([sys.executable, __file__, "--child", variant, "--op", op, *tests], cwd=ROOT,
-                                  env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            code = subprocess.run(**_child_call(variant, op, ext, tests), stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             code = 124
     return code, time.monotonic() - t0
@@ -129,9 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     ext = out / "ext"
     # the builds at once, one per folder (each compiler job is single-threaded), then the tests one variant
     # at a time; a build that several variants share is waited for by each of them (the second wait returns)
-    builds = {b: subprocess.Popen([sys.executable, __file__, "--child", b, "--op", a.op], cwd=ROOT,
-                                  env={**os.environ, "ACCEL_EXT_DIR": str(ext / b), "PYTHONPATH": str(ROOT)},
-                                  stdout=(out / f"build_{b}.log").open("w"), stderr=subprocess.STDOUT)
+    builds = {b: subprocess.Popen(**_child_call(b, a.op, ext), stdout=(out / f"build_{b}.log").open("w"),
+                                  stderr=subprocess.STDOUT)
               for b in dict.fromkeys(_build_of(v) for v in variants)}
     rows = []
     for v in variants:
