@@ -33,7 +33,7 @@ def _extensions():
     exts = []
     for op in build.op_names():
         sources = [os.path.relpath(src, ROOT) for src in build.sources(op, cuda=with_cuda)]
-        common = dict(include_dirs=[str(ROOT / "csrc")], extra_link_args=list(build.OPENMP_FLAGS))
+        common = dict(include_dirs=[str(ROOT / "csrc")], extra_link_args=build.ld_flags())
         if any(src.endswith(".cu") for src in sources):
             exts.append(CUDAExtension(f"accel._ext.{op}", sources, **common, extra_compile_args={
                 "cxx": build.cxx_flags(cuda=True, native=False), "nvcc": list(build.CUDA_FLAGS)}))

@@ -18,9 +18,6 @@
 # env     environment (nvidia-smi, versions)              -> $OUT/env.log
 # build   every kernel in csrc/ built, 7 in parallel       -> $OUT/build_<op>.log (cache: $ACCEL_EXT_DIR under /root)
 # crash_bt  $CRASH_TESTS (node ids) under cuda-gdb, only when named -> $OUT/crash_bt.log (native backtrace)
-# throw_probe  tools/throw_probe.py: $PROBE_OP built 4 ways, $PROBE_TESTS run on each (and once more with a
-#              CUDA context made first), only when named
-#              -> $OUT/throw_probe.log (table) and $OUT/throw_probe/ (logs)
 # pytest  the GPU-relevant tests, pytest -n 16 -v          -> $OUT/pytest.log
 # bert_base     benchmarks/bert_base.py ($BERT_ARGS)       -> $OUT/bert_base.log, bert_base_cuda.json/png
 # step_profile  benchmarks/step_profile.py, peer vs accel   -> $OUT/step_profile.log, step_profile_cuda.json/png
@@ -48,12 +45,12 @@ START=$SECONDS
 FAILED=0
 
 # The least each step needs when it runs after others (seconds).
-declare -A RESERVE=([env]=0 [build]=60 [crash_bt]=60 [throw_probe]=90 [pytest]=120 [bert_base]=260 [step_profile]=100
+declare -A RESERVE=([env]=0 [build]=60 [crash_bt]=60 [pytest]=120 [bert_base]=260 [step_profile]=100
                     [multi_stream]=40 [host_cost]=30 [kernels]=60)
-ORDER=(env build crash_bt throw_probe pytest bert_base step_profile multi_stream host_cost kernels)
+ORDER=(env build crash_bt pytest bert_base step_profile multi_stream host_cost kernels)
 DEFAULT_STEPS=" ${ORDER[*]} "
-for name in crash_bt throw_probe; do DEFAULT_STEPS=${DEFAULT_STEPS/ $name / }; done
-STEPS="${STEPS:-$DEFAULT_STEPS}"  # crash_bt and throw_probe only when named
+DEFAULT_STEPS=${DEFAULT_STEPS/ crash_bt / }
+STEPS="${STEPS:-$DEFAULT_STEPS}"  # crash_bt only when named
 for name in $STEPS; do
   [[ -v "RESERVE[$name]" ]] || { echo "STEPS: unknown step '$name' (known: ${ORDER[*]})" >&2; exit 2; }
 done
@@ -131,13 +128,6 @@ if want crash_bt; then
   # shellcheck disable=SC2086  # CRASH_TESTS is a list of node ids
   step crash_bt "$(budget crash_bt 90)" "$GDB" -q -batch -ex "set pagination off" -ex run -ex "bt 60" \
     -ex "info sharedlibrary" --args "$PY" -m pytest -x -q -p no:cacheprovider $CRASH_TESTS
-fi
-if want throw_probe; then
-  # which build flag turns a raised TORCH_CHECK into SIGSEGV (the H200 run of 2026-11-26): see the tool
-  # shellcheck disable=SC2086  # PROBE_TESTS is a list of node ids
-  step throw_probe "$(budget throw_probe 240)" "$PY" tools/throw_probe.py --op "${PROBE_OP:-fused_adam}" \
-    --out "$OUT/throw_probe" --timeout 200 \
-    ${PROBE_TESTS:-"tests/runtime/test_fused_adam.py::test_a_step_counter_shared_by_two_params_is_refused_and_nothing_changes[cpu]"}
 fi
 if want pytest; then
   mapfile -t TESTS < <(existing_paths tests/runtime tests/amp tests/data tests/compiler tests/test_checkpoint.py \

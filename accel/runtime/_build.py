@@ -196,6 +196,35 @@ OPENMP_FLAGS: tuple[str, ...] = ("-fopenmp",) if sys.platform.startswith("linux"
 CUDA_FLAGS: tuple[str, ...] = ("-O3",)
 
 
+def process_libstdcxx() -> tuple[str, ...]:
+    """The C++ runtime this process runs on (torch loaded it): the path of its libstdc++ shared library,
+    as a linker input, or nothing where there is none to find (not Linux, libc++).
+
+    Linked first, it defines every C++ runtime symbol the extension needs, so no compiler can put a
+    private copy of libstdc++ into it. A compiler that links libstdc++ statically (the GPU machine of
+    2026-11-26: its CXX, /opt/gcc/bin/g++, gave the extensions no libstdc++.so.6 dependency) makes
+    each extension carry its own runtime, whose iostreams have no locale facets in a process whose
+    locale belongs to torch's libstdc++: the first number a TORCH_CHECK message formats leaves the
+    stream failed (the message cut short before it, seen with -static-libstdc++ on gcc 12) or crashes
+    the process (SIGSEGV in std::ostream::_M_insert<long>, the GPU machine's backtrace). The shared
+    library named here is recorded by its soname (libstdc++.so.6), so a wheel built with it still runs
+    on any machine."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return ()
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[-1]
+        if os.path.basename(path).startswith("libstdc++.so") and os.path.isfile(path):
+            return (path,)
+    return ()
+
+
+def ld_flags() -> list[str]:
+    """The link flags of every accel extension (JIT and setup.py): OpenMP, and torch's C++ runtime."""
+    return [*OPENMP_FLAGS, *process_libstdcxx()]
+
+
 def cxx_flags(cuda: bool, native: bool = True) -> list[str]:
     # JIT builds run where they are used, so they may target this CPU's vector units; an ahead-of-time
     # build (setup.py, native=False) may be copied to another machine and must not.
@@ -245,7 +274,7 @@ def _jit_build(op: str) -> ModuleType:
                 name=f"accel_{op}",
                 sources=srcs,
                 extra_cflags=cxx_flags(cuda),
-                extra_ldflags=list(OPENMP_FLAGS),
+                extra_ldflags=ld_flags(),
                 extra_cuda_cflags=list(CUDA_FLAGS) if cuda else None,
                 extra_include_paths=[str(csrc_dir())],
                 build_directory=str(folder),
@@ -354,7 +383,7 @@ def _notice_baton(op: str, baton: Path) -> None:
 
 def _fingerprint(srcs: list[str]) -> str:
     h = hashlib.sha256(torch.__version__.encode())
-    h.update(" ".join(cxx_flags(False)).encode())
+    h.update(" ".join(cxx_flags(False) + ld_flags()).encode())
     headers = sorted(csrc_dir().rglob("*.h")) + sorted(csrc_dir().rglob("*.cuh"))
     for path in [Path(s) for s in srcs] + headers:
         h.update(path.name.encode())

@@ -72,18 +72,6 @@ def test_crash_bt_runs_the_named_tests_under_a_debugger_and_only_when_asked(tmp_
     assert proc.returncode != 0 and "set CRASH_TESTS" in proc.stderr
 
 
-def test_throw_probe_runs_the_tool_on_its_default_op_and_only_when_asked(tmp_path):
-    proc, out = _session(tmp_path, "throw_probe")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    args = (out / "throw_probe.log").read_text().split()
-    assert args[:3] == ["tools/throw_probe.py", "--op", "fused_adam"]
-    assert args[args.index("--out") + 1] == str(out / "throw_probe")
-    assert args[-1].startswith("tests/runtime/test_fused_adam.py::") and args[-1].endswith("[cpu]")
-    proc, out = _session(tmp_path, "throw_probe", PROBE_OP="dcn_v2", PROBE_TESTS="a::b c::d")
-    args = (out / "throw_probe.log").read_text().split()
-    assert args[2] == "dcn_v2" and args[-2:] == ["a::b", "c::d"]
-
-
 def test_every_step_by_default_and_unknown_steps_refused(tmp_path):
     proc, out = _session(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -125,6 +125,59 @@ def test_cpu_kernels_are_built_with_openmp():
     assert b"GOMP_parallel" in so
 
 
+# A number formatted into a std::ostringstream, the way TORCH_CHECK builds its messages (c10::str).
+FORMAT_NUMBER_CPP = r"""
+#include <cstring>
+#include <sstream>
+extern "C" int format_number(long value, char* out, int size) {
+  std::ostringstream s;
+  s << "n=" << value;
+  std::strncpy(out, s.str().c_str(), size - 1);
+  out[size - 1] = 0;
+  return s.fail() ? -1 : 0;
+}
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process's maps (/proc), Linux only")
+def test_extensions_use_torchs_cpp_runtime_even_where_the_compiler_links_its_own(tmp_path):
+    # The GPU machine's compiler linked libstdc++ statically: every extension carried a runtime of its own,
+    # whose iostreams have no locale facets in torch's process, and each TORCH_CHECK message with a number
+    # in it crashed the process (SIGSEGV) or came out cut short before the number. -static-libstdc++ makes
+    # any g++ do the same; with accel's link flags the library must still format numbers.
+    import ctypes
+
+    from torch.utils import cpp_extension
+
+    from accel.runtime import _build
+
+    runtime = _build.process_libstdcxx()
+    assert runtime and "libstdc++" in runtime[0] and Path(runtime[0]).is_file()
+    assert set(runtime) <= set(_build.ld_flags())
+    src, lib = tmp_path / "format_number.cpp", tmp_path / "format_number.so"
+    src.write_text(FORMAT_NUMBER_CPP)
+    cxx = cpp_extension.get_cxx_compiler()
+    if shutil.which(cxx) is None:
+        pytest.skip(f"no C++ compiler ({cxx}) to build the test library")
+    subprocess.run([cxx, "-shared", "-fPIC", "-O2", str(src), "-o", str(lib), *_build.ld_flags(),
+                    "-static-libstdc++"], check=True, capture_output=True)
+    buf = ctypes.create_string_buffer(64)
+    assert ctypes.CDLL(str(lib)).format_number(12345, buf, 64) == 0
+    assert buf.value == b"n=12345"
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="needs binutils' readelf to list a library's dependencies")
+def test_a_built_op_depends_on_the_shared_cpp_runtime():
+    # the kernels' own library (built with whatever compiler this machine has) needs libstdc++.so.6
+    from accel.runtime import _build
+
+    if not _build.process_libstdcxx():
+        pytest.skip("this process has no libstdc++ loaded (not Linux, or a libc++ build of torch)")
+    dynamic = subprocess.run(["readelf", "-d", _build.load("quick_gelu").__file__], check=True,
+                             capture_output=True, text=True).stdout
+    assert "[libstdc++.so.6]" in dynamic
+
+
 def test_builds_are_kept_apart_per_cpu_instruction_set(monkeypatch):
     # JIT builds use -march=native: a cache shared by two hosts must not hand one's build to the other.
     from accel.runtime import _build
@@ -416,7 +469,7 @@ def test_a_load_leaves_the_flag_constants_and_fingerprints_alone(tmp_path, monke
     monkeypatch.setattr(cpp_extension, "load", fake_load)
     monkeypatch.setenv("ACCEL_EXT_DIR", str(tmp_path))
     monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # _jit_build may add ninja's folder
-    openmp, flags = _build.OPENMP_FLAGS, _build.cxx_flags(False)
+    openmp, flags, links = _build.OPENMP_FLAGS, _build.cxx_flags(False), _build.ld_flags()
     before = _build._fingerprint(_build.sources("layer_norm"))
     _build._jit_build("quick_gelu")
     _build._jit_build("fmha")
@@ -425,7 +478,8 @@ def test_a_load_leaves_the_flag_constants_and_fingerprints_alone(tmp_path, monke
     assert _build.cxx_flags(False) == flags
     assert _build._fingerprint(_build.sources("layer_norm")) == before
     assert calls[0]["extra_cflags"] == calls[1]["extra_cflags"]
-    assert calls[0]["extra_ldflags"] == calls[1]["extra_ldflags"] == list(openmp)
+    assert _build.ld_flags() == links
+    assert calls[0]["extra_ldflags"] == calls[1]["extra_ldflags"] == links
 
 
 FINGERPRINT_AFTER_A_LOAD = textwrap.dedent("""
@@ -465,6 +519,7 @@ def test_setup_py_builds_what_the_jit_build_builds(monkeypatch):
         assert ext.sources == expected
         cxx = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) else ext.extra_compile_args
         assert "-march=native" not in cxx and all(f in cxx for f in _build.OPENMP_FLAGS)
+        assert ext.extra_link_args == _build.ld_flags()
 
 
 def test_compile_caches_are_keyed_on_the_kernel_sources(monkeypatch, tmp_path):

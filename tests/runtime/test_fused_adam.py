@@ -140,17 +140,30 @@ def test_compact_state_is_the_fp32_update_rounded_on_store(device, dtype, decoup
 @pytest.mark.parametrize("ours_cls,ref_cls", PAIRS)
 def test_compact_state_matches_torch_fused(device, dtype, ours_cls, ref_cls):
     # torch.optim's fused path keeps the state in the param dtype and computes in fp32, as compact_state
-    # does: the same numbers but where one fused multiply-add rounds once (AdamW's decay), one ulp apart
+    # does: the same numbers but where the arithmetic rounds in another order. Then a value lands on the
+    # other side of a rounding to fp16/bf16 now and then, and the weights move on from there: each
+    # element within two ulps, or a tenth of a step (lr: an Adam step moves a weight by about lr at most,
+    # so this bounds what that rounding can change), the state within two ulps at the tensor's scale, and
+    # >= 99% of the weights bit for bit. torch's CPU kernel: AdamW's fused decay rounds once where it
+    # rounds twice; its CUDA kernel computes parts in double (fused_adam_utils.cuh: the moments, the
+    # denominator), which the H200 run of 2026-11-26 showed a few elements in 4099 move past 2 ulps.
+    lr = 1e-2
     a = _params(device, dtype, shapes=SHAPES + [(4099,)])
     b = _clone(a)
-    ours = ours_cls(a, lr=1e-2, weight_decay=0.1, amsgrad=True, compact_state=True)
-    ref = ref_cls(b, lr=1e-2, weight_decay=0.1, amsgrad=True, fused=True)
-    _step_both_and_compare(ours, a, ref, b, range(10), rtol=2 * torch.finfo(dtype).eps, atol=0)
+    ours = ours_cls(a, lr=lr, weight_decay=0.1, amsgrad=True, compact_state=True)
+    ref = ref_cls(b, lr=lr, weight_decay=0.1, amsgrad=True, fused=True)
+    ulp = torch.finfo(dtype).eps
+    _step_both_and_compare(ours, a, ref, b, range(10), rtol=2 * ulp, atol=0.1 * lr)
     same = sum(int(torch.eq(p, q).sum()) for p, q in zip(a, b))
     assert same >= 0.99 * sum(p.numel() for p in a)
-    for p in a:
+    for p, q in zip(a, b):
+        assert set(ours.state[p]) == set(ref.state[q])
         assert all(ours.state[p][k].dtype == dtype for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
-    _assert_state_close(ours, ref, a, b, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            want = ref.state[q][key].float().cpu()
+            torch.testing.assert_close(ours.state[p][key].float().cpu(), want, rtol=2 * ulp,
+                                       atol=2 * ulp * float(want.abs().max()))
+        torch.testing.assert_close(ours.state[p]["step"].cpu(), ref.state[q]["step"].cpu())
 
 
 def test_compact_state_leaves_fp32_and_fp64_params_alone():
