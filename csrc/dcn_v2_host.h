@@ -7,8 +7,8 @@
 // mask [B, G*K, Ho, Wo]; weight [Co, C/groups, kh, kw]. K = kh*kw, L = Ho*Wo. The G offset groups
 // split the input channels into blocks of C/G channels that share one offset field.
 //
-// Columns ("cols") are [nb, C*K, L] in the accumulation type, row c*K + k holding input channel c
-// sampled at tap k; with the groups split out ([nb, groups, C/groups*K, L]) they line up with
+// Columns ("cols") are [nb, C*K, L], row c*K + k holding input channel c sampled at tap k (sampled in
+// the accumulation type; stored in it, or on CUDA for float16/bfloat16 in the input's dtype, see forward); with the groups split out ([nb, groups, C/groups*K, L]) they line up with
 // weight viewed as [groups, Co/groups, C/groups*K], so each direction is one batched at::matmul
 // over the whole chunk of nb samples rather than a GEMM per sample.
 #pragma once
@@ -281,22 +281,24 @@ inline Inputs prepare(const char* op, const at::Tensor& input, const at::Tensor&
   return in;
 }
 
-// out = weight (*) columns + bias, a chunk of samples at a time.
-// im2col(b0, nb, cols) fills cols [nb, C*K, L] (accumulation type) for samples [b0, b0 + nb).
+// out = weight (*) columns + bias, a chunk of samples at a time, the GEMM in `cols_type`: the
+// accumulation type, or (CUDA) the input's float16/bfloat16, as torchvision does: tensor-core GEMMs,
+// which accumulate in float32 and round once, like the output's own rounding; a float32 GEMM left the
+// float16 forward at 0.73x torchvision's on an H200.
+// im2col(b0, nb, cols) fills cols [nb, C*K, L] (cols_type) for samples [b0, b0 + nb).
 template <typename Im2Col>
-at::Tensor forward(const Inputs& in, int64_t max_cols, Im2Col&& im2col) {
+at::Tensor forward(const Inputs& in, int64_t max_cols, at::ScalarType cols_type, Im2Col&& im2col) {
   const Geometry& g = in.g;
   at::Tensor out = at::empty({g.B, g.Co, g.Ho, g.Wo}, in.input.options());
   if (g.B == 0) return out;
-  const auto acc = acc_type_of(in.input.scalar_type());
-  const at::Tensor w = in.weight.to(acc).view({g.groups, g.Cog(), g.Cpg() * g.K()});
+  const at::Tensor w = in.weight.to(cols_type).view({g.groups, g.Cog(), g.Cpg() * g.K()});
   const int64_t chunk = chunk_of(g, max_cols);
   for (int64_t b0 = 0; b0 < g.B; b0 += chunk) {
     const int64_t nb = std::min(chunk, g.B - b0);
-    at::Tensor cols = at::empty({nb, g.C * g.K(), g.L()}, in.input.options().dtype(acc));
+    at::Tensor cols = at::empty({nb, g.C * g.K(), g.L()}, in.input.options().dtype(cols_type));
     im2col(b0, nb, cols);
     at::Tensor y = at::matmul(w, cols.view({nb, g.groups, g.Cpg() * g.K(), g.L()})).reshape({nb, g.Co, g.Ho, g.Wo});
-    if (in.bias.has_value()) y.add_(in.bias->to(acc).view({1, g.Co, 1, 1}));
+    if (in.bias.has_value()) y.add_(in.bias->to(cols_type).view({1, g.Co, 1, 1}));
     if (nb == g.B) return y.to(out.scalar_type());
     out.narrow(0, b0, nb).copy_(y);
   }

@@ -190,7 +190,7 @@ at::Tensor dcn_v2_fwd_cpu(const at::Tensor& input, const at::Tensor& offset, con
                           at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation) {
   const Inputs in = prepare("dcn_v2_fwd", input, offset, weight, bias, mask, stride, padding, dilation);
   const Geometry& g = in.g;
-  return forward(in, kMaxCols, [&](int64_t b0, int64_t nb, at::Tensor& cols) {
+  return forward(in, kMaxCols, acc_type_of(input.scalar_type()), [&](int64_t b0, int64_t nb, at::Tensor& cols) {
     const Shape s = g.shape(slices_for(g, nb));
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.input.scalar_type(), "dcn_v2_fwd_cpu", [&] {
       using acc_t = at::opmath_type<scalar_t>;

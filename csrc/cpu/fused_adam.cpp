@@ -54,9 +54,12 @@ ACCEL_AVX512 int64_t adam_avx512(scalar_t* p, const scalar_t* g, state_t* m, sta
   const __m512 wd = _mm512_set1_ps(c.wd), lerp_a = _mm512_set1_ps(c.lerp_a), beta2 = _mm512_set1_ps(c.beta2);
   const __m512 omb2 = _mm512_set1_ps(c.one_minus_beta2), bc2 = _mm512_set1_ps(c.bc2_sqrt);
   const __m512 eps = _mm512_set1_ps(c.eps), nss = _mm512_set1_ps(c.neg_step_size);
+  const bool scaled = c.scale != 1.f;
   const int64_t end = n - n % 16;
   for (int64_t i = 0; i < end; i += 16) {
-    __m512 gi = _mm512_mul_ps(_mm512_div_ps(avx512::load(g + i), scale), sign);
+    __m512 gi = avx512::load(g + i);
+    if (scaled) gi = _mm512_div_ps(gi, scale);  // as adam_element: g / 1 is g
+    gi = _mm512_mul_ps(gi, sign);
     const __m512 pi = avx512::load(p + i);
     if constexpr (kCoupled) gi = _mm512_fmadd_ps(wd, pi, gi);
     const __m512 mo = avx512::load(m + i);

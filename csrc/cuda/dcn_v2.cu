@@ -11,8 +11,9 @@
 // GPU. The backward is one kernel: grad_input by atomic adds (taps of different pixels share input
 // pixels), grad_offset and grad_mask summed over the slice in registers, then stored (one slice per
 // group) or atomically added (several), and the grad columns overwritten in place with the forward's
-// columns for grad_weight's GEMM. float16/bfloat16 are read as such and computed in float32; all
-// accumulators, columns and GEMMs are float32 (float64 for float64).
+// columns for grad_weight's GEMM. float16/bfloat16 are read as such and computed in float32, and so are
+// the backward's columns and GEMMs; the forward's columns and GEMM are float16/bfloat16 (tensor cores,
+// float32 accumulation, as torchvision's), float32 and float64 stay in their own type.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -75,7 +76,7 @@ __device__ __forceinline__ Item item_of(const Shape& s, int64_t idx) {
   return it;
 }
 
-// cols[b, c*K + k, l] = mask * bilinear(x[b, c], tap k of pixel l).
+// cols[b, c*K + k, l] = mask * bilinear(x[b, c], tap k of pixel l), computed in acc_t, stored as col_t.
 //
 // Assumptions:
 // - 1-D grid of 1-D blocks of kThreads threads, any number of blocks: a grid-stride loop covers the
@@ -84,29 +85,31 @@ __device__ __forceinline__ Item item_of(const Shape& s, int64_t idx) {
 //   [nb, s.C * s.K, s.L]: contiguous, on the current device, each starting at the chunk's first
 //   sample; cols does not overlap the inputs;
 // - every element of cols is written exactly once (by the thread owning its channel's slice).
-template <typename scalar_t, typename acc_t>
+template <typename scalar_t, typename acc_t, typename col_t>
 __global__ void __launch_bounds__(kThreads)
     im2col_kernel(Shape s, int64_t n, const scalar_t* __restrict__ x, const scalar_t* __restrict__ off,
-                  const scalar_t* __restrict__ mask, acc_t* __restrict__ cols) {
+                  const scalar_t* __restrict__ mask, col_t* __restrict__ cols) {
   const int64_t KL = s.K * s.L, HW = s.H * s.W;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const Item it = item_of(s, idx);
     const Tap<acc_t> t = tap_at<acc_t>(s, off + it.bg * 2 * KL, it.k, it.l);
-    acc_t* col = cols + it.b * s.C * KL + it.k * s.L + it.l;
+    col_t* col = cols + it.b * s.C * KL + it.k * s.L + it.l;
     const scalar_t* x_b = x + it.b * s.C * HW;
     if (!t.inside) {
-      for (int64_t c = it.c0; c < it.c1; ++c) col[c * KL] = acc_t(0);
+      for (int64_t c = it.c0; c < it.c1; ++c) col[c * KL] = col_t(0);
       continue;
     }
     const acc_t m = mask ? static_cast<acc_t>(mask[it.bg * KL + it.k * s.L + it.l]) : acc_t(1);
     const Weights<acc_t> wt = weights_of(t);
     if (t.interior()) {
       for (int64_t c = it.c0; c < it.c1; ++c) {
-        col[c * KL] = m * interpolate(corners_interior<acc_t>(x_b + c * HW, t, s.W), wt);
+        col[c * KL] = static_cast<col_t>(m * interpolate(corners_interior<acc_t>(x_b + c * HW, t, s.W), wt));
       }
     } else {
-      for (int64_t c = it.c0; c < it.c1; ++c) col[c * KL] = m * interpolate(corners<acc_t>(x_b + c * HW, t), wt);
+      for (int64_t c = it.c0; c < it.c1; ++c) {
+        col[c * KL] = static_cast<col_t>(m * interpolate(corners<acc_t>(x_b + c * HW, t), wt));
+      }
     }
   }
 }
@@ -187,15 +190,17 @@ at::Tensor dcn_v2_fwd_cuda(const at::Tensor& input, const at::Tensor& offset, co
   c10::cuda::CUDAGuard guard(input.device());
   const Inputs in = prepare("dcn_v2_fwd", input, offset, weight, bias, mask, stride, padding, dilation);
   const Geometry& g = in.g;
-  return forward(in, kMaxCols, [&](int64_t b0, int64_t nb, at::Tensor& cols) {
+  // float16/bfloat16 columns for a tensor-core GEMM (see forward); float32/float64 as they are
+  const at::ScalarType dt = input.scalar_type();
+  return forward(in, kMaxCols, dt, [&](int64_t b0, int64_t nb, at::Tensor& cols) {
     const Shape s = g.shape(slices_for(g, nb));
     const int64_t n = nb * s.G * s.slices * s.K * s.L;
     auto stream = at::cuda::getCurrentCUDAStream();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.input.scalar_type(), "dcn_v2_fwd_cuda", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "dcn_v2_fwd_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
-      im2col_kernel<scalar_t, acc_t><<<blocks_for(n), kThreads, 0, stream>>>(
+      im2col_kernel<scalar_t, acc_t, scalar_t><<<blocks_for(n), kThreads, 0, stream>>>(
           s, n, chunk_ptr<scalar_t>(in.input, b0), chunk_ptr<scalar_t>(in.offset, b0),
-          chunk_ptr<scalar_t>(in.mask, b0), cols.mutable_data_ptr<acc_t>());
+          chunk_ptr<scalar_t>(in.mask, b0), cols.mutable_data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

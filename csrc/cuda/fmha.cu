@@ -1,7 +1,8 @@
 // Fused Swin window attention scores on CUDA: softmax(attn + relative_pos_bias + attn_mask) over the
 // last dim, and its backward (see csrc/cpu/fmha.cpp for the schemas and shapes).
 //
-// Forward: one warp per row of N <= 1024 scores (two rows at a time, for memory-level parallelism).
+// Forward: one warp per row of N <= 1024 scores (four rows at a time up to N = 256, two above, for
+// memory-level parallelism).
 // Each lane keeps its ceil(N/32) values in registers (KPT, a template parameter picked from N), so
 // attn is read once and the output written once; the max and the sum are fp32 (fp64 for double)
 // warp-shuffle reductions. bias/mask rows are tiny and shared by many rows, so they stay in cache.
@@ -54,6 +55,14 @@ __device__ __forceinline__ double exp_op(double v) { return exp(v); }
 // warp keeps twice the bytes in flight (Swin rows are short: 49 values, under 2 per lane).
 constexpr int kRows = 2;
 
+// The forward's rows a warp at once: four for rows of up to 256 values (Swin's 49 took 0.84x
+// torch.compile's time at 36% of the copy bandwidth on an H200 with two, the same time in fp16 as in
+// fp32: latency, not bytes), two above, where the values of four rows would crowd the registers.
+template <int KPT>
+constexpr int fwd_rows() {
+  return KPT <= 8 ? 4 : 2;
+}
+
 // Row r of attn [B*nW, nH, N, N] is query i = r % N of head h = (r / N) % nH of window-batch row
 // bw = r / (N*nH), whose mask is window bw % nW. The three divisions cost more than the softmax of a
 // 49-value row if done as integer divisions, so they are multiply-shifts when rows < 2^31.
@@ -80,21 +89,22 @@ __device__ __forceinline__ void bias_and_mask_rows(int64_t r, const RowMap& m, i
   }
 }
 
-// Forward. Warp q handles rows kRows*q ... kRows*q+kRows-1.
+// Forward. Warp q handles rows R*q ... R*q+R-1, R = fwd_rows<KPT>().
 template <typename scalar_t, int KPT>
 __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const at::opmath_type<scalar_t>* __restrict__ bias,
                                 const at::opmath_type<scalar_t>* __restrict__ mask, scalar_t* __restrict__ out,
                                 int64_t rows, RowMap map) {
   using acc_t = at::opmath_type<scalar_t>;
+  constexpr int R = fwd_rows<KPT>();
   const int N = static_cast<int>(map.N.d);
   const int lane = threadIdx.x % kWarp;
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp) * kRows;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp) * R;
   if (first >= rows) return;  // uniform over the warp: whole warps leave, shuffles stay full
 
-  acc_t v[kRows][KPT];
-  acc_t mx[kRows];
+  acc_t v[R][KPT];
+  acc_t mx[R];
 #pragma unroll
-  for (int q = 0; q < kRows; ++q) {
+  for (int q = 0; q < R; ++q) {
     const int64_t row = first + q;
     mx[q] = -std::numeric_limits<acc_t>::infinity();
     const bool valid = row < rows;  // uniform over the warp
@@ -113,10 +123,10 @@ __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const at::opm
     }
   }
 #pragma unroll
-  for (int q = 0; q < kRows; ++q) mx[q] = warp_max(mx[q]);
-  acc_t sum[kRows];
+  for (int q = 0; q < R; ++q) mx[q] = warp_max(mx[q]);
+  acc_t sum[R];
 #pragma unroll
-  for (int q = 0; q < kRows; ++q) {
+  for (int q = 0; q < R; ++q) {
     sum[q] = 0;
 #pragma unroll
     for (int k = 0; k < KPT; ++k) {
@@ -127,9 +137,9 @@ __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const at::opm
     }
   }
 #pragma unroll
-  for (int q = 0; q < kRows; ++q) sum[q] = warp_sum(sum[q]);
+  for (int q = 0; q < R; ++q) sum[q] = warp_sum(sum[q]);
 #pragma unroll
-  for (int q = 0; q < kRows; ++q) {
+  for (int q = 0; q < R; ++q) {
     if (first + q >= rows) break;
     const acc_t inv = acc_t(1) / sum[q];
     scalar_t* y = out + (first + q) * N;
@@ -251,9 +261,6 @@ at::Tensor fmha_fwd_cuda(const at::Tensor& attn_, const at::Tensor& bias_, const
   const int64_t nH = attn.size(1), N = attn.size(2);
   const int64_t rows = attn.size(0) * nH * N;
   constexpr int threads = 256;
-  constexpr int rows_per_block = threads / kWarp * kRows;
-  const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
-  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "fmha_swin_fwd: too many rows (", rows, ")");
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "fmha_swin_fwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -265,6 +272,9 @@ at::Tensor fmha_fwd_cuda(const at::Tensor& attn_, const at::Tensor& bias_, const
     const RowMap map{FastDiv32(static_cast<uint32_t>(N)), FastDiv32(static_cast<uint32_t>(nH)),
                      FastDiv32(static_cast<uint32_t>(window_num)), rows <= std::numeric_limits<int32_t>::max()};
     dispatch_kpt(static_cast<int>(N), [&](auto kpt) {
+      constexpr int rows_per_block = threads / kWarp * fwd_rows<decltype(kpt)::value>();
+      const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
+      TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "fmha_swin_fwd: too many rows (", rows, ")");
       fmha_fwd_kernel<scalar_t, decltype(kpt)::value><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
           attn.const_data_ptr<scalar_t>(), bias.const_data_ptr<acc_t>(), m, out.mutable_data_ptr<scalar_t>(),
           rows, map);

@@ -24,7 +24,9 @@ results). The modules follow the Python API of the widely used dcn_v2 package
 CPU and CUDA tensors run the kernels in csrc/{cpu,cuda}/dcn_v2.* (accel::dcn_v2_fwd / dcn_v2_bwd),
 which process the whole batch at once: the sampling (im2col) and its backward in one parallel pass
 over the batch (at::parallel_for on CPU, one kernel launch on CUDA), the two GEMMs batched over the
-samples. float16/bfloat16 are computed in float32, float64 in float64. Other devices (XLA) run
+samples. float16/bfloat16 are sampled in float32 and the backward runs in float32; the CUDA forward's GEMM
+takes float16/bfloat16 columns (tensor cores, float32 accumulation, as torchvision's), the CPU's
+float32 ones; float64 is computed in float64. Other devices (XLA) run
 `deform_conv2d_reference`, plain PyTorch (gathers), which autograd differentiates. Double backward
 is not supported (as in torchvision).
 
