@@ -134,7 +134,10 @@ if want pytest; then
     tests/test_accelerate.py tests/test_config.py)
   # -v: one line per test as it ends, so a run stopped by its timeout still shows what failed
   # --durations: which tests take the call's time, for choosing what to run when time is short
-  step pytest "$(budget pytest 300)" "$PY" -m pytest -v -n 16 --durations=30 -p no:cacheprovider "${TESTS[@]}"
+  # --deselect: the CPU kernels' portable loops, a subprocess rerun of four test files (CPU only; CI runs it);
+  # with it the 2026-11-26 runs did not finish in 240 and 300 s
+  step pytest "$(budget pytest 300)" "$PY" -m pytest -v -n 16 --durations=30 -p no:cacheprovider \
+    --deselect tests/runtime/test_portable_paths.py::test_kernel_tests_pass_on_the_portable_loops "${TESTS[@]}"
 fi
 if want bert_base; then
   BERT_S=$(budget bert_base 330)
