@@ -41,6 +41,11 @@ Evidence (same data and seed in one process):
   fused=True in fp32, 0.76-0.78x with bf16 parameters (fp32 moments against torch's bf16 ones).
   LayerNorm's kernels alone 0.97-3.27x forward and 1.24-2.56x backward, but no BERT step A/B with the hook
   on the GPU since the H100 run above: off until one shows a win.
+- CUDA, H200, second run (2026-11-26, bert_base_cuda_h200_guide.json): the guide workload in eager bf16 with
+  all three hooks (accel-kernels) 1.08x eager-amp (120.7 against 128.1 ms a step). Not yet evidence for any
+  one hook: eager-amp steps torch.optim.Adam's default (foreach) path, and accelerate() already switches
+  Adam to torch's fused=True; dropout_fwd (one kernel) and the eager call's host cost are in that figure too.
+  A per-hook A/B on the GPU decides.
 - CPU with AVX-512 and AVX512-BF16 (AMD EPYC, 2 cores), torch 2.9 (2026-11-26), where accel's AVX-512 loops
   run: LayerNorm alone 1.0-1.8x torch's forward and 0.95-2.6x its backward (bf16 [4096, 768] backward
   2.6x); fused Adam over 109.5M fp32 parameters 0.66-1.00x torch's fused=True (bf16 parameters 1.1-1.3x,
