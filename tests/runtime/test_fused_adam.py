@@ -571,7 +571,8 @@ def test_a_chunk_larger_than_every_tensor_is_one_chunk(device):
 
 def _awkward_views(device, dtype, compact=False):
     """Odd sizes, a tensor of a view that starts mid-vector (not 16-byte aligned), a transposed
-    (non-contiguous) one and an empty one: every path of the kernels' alignment and layout logic.
+    (non-contiguous) one, an empty one and one long enough for every CUDA thread to take two packs: every
+    path of the kernels' alignment and layout logic.
     `compact`: the state in the param dtype."""
     gen = torch.Generator().manual_seed(3)
     sdt = dtype if compact else torch.float64 if dtype == torch.float64 else torch.float32
@@ -581,7 +582,8 @@ def _awkward_views(device, dtype, compact=False):
 
     def lists(dt, positive=False):
         base = make((1 + 1029,), dt)
-        out = [make((1029,), dt), base[1:], make((33, 9), dt).t(), make((0,), dt), make((1,), dt)]
+        # 4109: over two 16-byte packs per CUDA thread (256 threads) for every dtype, plus a tail
+        out = [make((1029,), dt), base[1:], make((33, 9), dt).t(), make((0,), dt), make((1,), dt), make((4109,), dt)]
         return [t.abs() for t in out] if positive else out
 
     return lists(dtype), lists(dtype), lists(sdt), lists(sdt, True), lists(sdt, True)
