@@ -264,6 +264,10 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         auto_checkpoint(model, block_classes=config.memory.gc_cls, count=config.memory.gc_cnt)
     # Packed rows always have a mask; "accel_sdpa" still gives their attention the model's own dropout layer.
     unpadded_attention(model)
+    if config.compute.fuse_qkv:
+        from accel.compiler.fused_qkv import fuse_qkv
+
+        fuse_qkv(model)
     if config.dataloader.pack:  # packed rows pool one token per sample: PackedModel cuts the last layer itself
         from accel.compiler.packed import PackedModel
 

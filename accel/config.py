@@ -89,6 +89,11 @@ class ComputeConfig(_Section):
         sequence classification: accel.compiler.first_token), the last encoder layer computes that token
         alone; under dataloader.pack, each sample's first token. Same logits, loss and gradients; BERT-base
         8x128 fwd+bwd 1.10x on a CPU (measured).
+    fuse_qkv: an encoder's self-attention projects query, key and value with one GEMM over the three weights
+        concatenated (accel.compiler.fused_qkv); the parameters stay three. Same results up to rounding. Off
+        until it wins: BERT-base bf16 training on a 2-core AVX512-BF16 CPU, compiled, alternating steps
+        (2026-11-27): 0.96x, 1.02x at 8x128 and 0.97x at 32x128, i.e. noise. To be measured on a GPU, where
+        small products leave tensor cores idle (`bert_base.py --modes accel,accel:compute.fuse_qkv=true`).
     """
 
     _prefix = "compute"
@@ -99,6 +104,7 @@ class ComputeConfig(_Section):
     kernels: bool = True
     recompile_guard: bool = False
     first_token_only: bool = True
+    fuse_qkv: bool = False
 
     def _check(self) -> None:
         for f in fields(self):

@@ -38,6 +38,8 @@ Modes (one row each, in this order, one process)
                  alone (the classifier reads nothing else), on packed rows each sample's first token. On the
                  fixed workload also dataloader.drop_full_masks (its batches have no padding): attention
                  runs unmasked ("accel_sdpa", accel.compiler.unpadded_attention), under compile too.
+  accel:F=V[+F=V...]  the accel row with Config fields set otherwise, e.g. accel:compute.fuse_qkv=false:
+                 an A/B of one of accelerate()'s choices in the same run (any number of such rows).
 
 Reported per mode: samples/s and real (non-pad) tokens/s over the timed steps; step time median and p90;
 compile time (what the warm-up steps took beyond warm-up x the timed median: compiling, CUDA graph
@@ -492,19 +494,20 @@ def setup_accel_xla(ctx: Context) -> Run:
     return Run(step, batches, device, "fp32 (XLA), syncfree.AdamW")
 
 
-def setup_accel(ctx: Context) -> Run:
+def setup_accel(ctx: Context, overrides: dict[str, str] | None = None) -> Run:
     import accel
 
     if not hasattr(accel, "accelerate"):
         raise Skip("accel.accelerate() is not in this checkout yet (accel/accelerate.py)")
     config = accel.Config()
     config.compute.bf16 = True  # accelerate() stays fp32 (and says so) where bf16 is not native
-    packed = ctx.workload.kind == "guide"
-    if packed:
+    if ctx.workload.kind == "guide":
         config.dataloader.pack = True
         config.dataloader.max_length = ctx.workload.max_length
     else:  # the step reads nothing but the loss: an all-ones mask may go (unmasked SDPA)
         config.dataloader.drop_full_masks = True
+    config = accel_config(overrides or {}, config)  # a variant's fields last
+    packed = config.dataloader.pack
     model, loader = accel.accelerate(copy.deepcopy(ctx.initial_model), ctx.workload.loader(), config)
     opt = torch.optim.AdamW(model.parameters(), lr=ctx.lr)
 
@@ -666,7 +669,8 @@ def run_mode(mode: str, ctx: Context, args) -> dict:
     release_memory()
     memory = PeakMemory(ctx.device)
     try:
-        run = SETUPS[mode](ctx)
+        base, overrides = split_mode(mode)
+        run = SETUPS[base](ctx, overrides) if overrides else SETUPS[base](ctx)
         # Seeded after the set-up, which may draw numbers (accel-kernels builds a model): every mode that
         # draws dropout masks with torch's dropout in eager code then gets the same masks.
         torch.manual_seed(args.seed)
@@ -790,10 +794,49 @@ def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
 
 def parse_modes(text: str) -> list[str]:
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if split_mode(m)[0] not in MODES]
     if unknown or not modes:
         raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+    for mode in modes:
+        try:
+            accel_config(split_mode(mode)[1])
+        except (ValueError, AttributeError) as error:
+            raise argparse.ArgumentTypeError(f"mode {mode!r}: {error}") from None
     return modes
+
+
+def split_mode(mode: str) -> tuple[str, dict[str, str]]:
+    """'accel:compute.fuse_qkv=false+compute.kernels=false' -> ('accel', {'compute.fuse_qkv': 'false', ...}):
+    a variant of the accel row with some Config fields set otherwise (an A/B within one run)."""
+    base, _, rest = mode.partition(":")
+    overrides = {}
+    for item in filter(None, rest.split("+")):
+        field, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"mode {mode!r}: expected FIELD=VALUE after ':', got {item!r}")
+        overrides[field.strip()] = value.strip()
+    if overrides and base != "accel":
+        raise argparse.ArgumentTypeError(f"mode {mode!r}: only accel takes Config fields")
+    return base, overrides
+
+
+def accel_config(overrides: dict[str, str], config=None):
+    """`config` (default: a new accel.Config) with the variant's fields set (true/false, ints, else strings)."""
+    import accel
+
+    config = accel.Config() if config is None else config
+    for field, text in overrides.items():
+        section, _, name = field.rpartition(".")
+        owner = config
+        for part in filter(None, section.split(".")):
+            owner = getattr(owner, part)
+        if not hasattr(owner, name):
+            raise AttributeError(f"accel.Config has no field {field!r}")
+        lowered = text.lower()
+        value = {"true": True, "false": False, "none": None}.get(lowered, int(text) if text.isdigit() else text)
+        setattr(owner, name, value)
+    config.validate()
+    return config
 
 
 def parse_args(argv=None):
@@ -851,7 +894,7 @@ def start_xla_if_needed(modes: list[str]) -> None:
     from accel.accelerate import resolve_backend
     from accel.utils.xla import xla_available
 
-    if not xla_available() or not ("accel-xla" in modes or ("accel" in modes and resolve_backend("auto") == "xla")):
+    if not xla_available() or not ("accel-xla" in modes or (any(split_mode(m)[0] == "accel" for m in modes) and resolve_backend("auto") == "xla")):
         return
     import torch._dynamo
 
@@ -872,7 +915,8 @@ def run_order(n_workloads: int, modes: list[str]) -> list[tuple[int, str]]:
     """(workload index, mode) in the order the rows run: the headline modes of every workload, then the
     other modes of every workload. The table and the JSON list rows by workload and mode as requested."""
     pairs = [(w, m) for w in range(n_workloads) for m in modes]
-    return [p for p in pairs if p[1] in HEADLINE_MODES] + [p for p in pairs if p[1] not in HEADLINE_MODES]
+    headline = [p for p in pairs if split_mode(p[1])[0] in HEADLINE_MODES]
+    return headline + [p for p in pairs if p not in headline]
 
 
 def run_rows(workloads: list[Workload], initial_model, args, started: float,

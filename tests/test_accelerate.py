@@ -345,6 +345,32 @@ def test_a_first_token_classifier_computes_one_token_in_its_last_layer(gc):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_fuse_qkv_projects_with_one_gemm_and_trains_the_same(compile):
+    """compute.fuse_qkv (off by default; accel.compiler.fused_qkv): every self-attention's forward is the fused
+    one, alone or with the first-token last layer, and losses and weights follow the plain model's."""
+    from accel.compiler.fused_qkv import _FusedQKVForward
+
+    torch._dynamo.reset()
+    for on in (False, True):
+        ref, model = tiny_bert(layers=3), tiny_bert(layers=3)
+        model = accel.accelerate(model, config=cpu_config(compile=compile, fuse_qkv=on))
+        inner = model._orig_mod if hasattr(model, "_orig_mod") else model
+        attentions = [layer.attention.self for layer in inner.bert.encoder.layer]
+        assert [isinstance(a.__dict__.get("forward"), _FusedQKVForward) for a in attentions] == [on] * 3
+        opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        for lengths in ([6, 4], [5, 5]):
+            batch = pad_to_longest(samples(lengths))
+            loss, ref_loss = model(**batch).loss, ref(**batch).loss
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            for o, value in ((opt, loss), (ref_opt, ref_loss)):
+                value.backward()
+                o.step()
+                o.zero_grad()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- loaders
 
 def test_unpadded_batches_reach_an_sdpa_encoder_without_a_mask():

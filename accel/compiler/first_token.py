@@ -89,8 +89,6 @@ class _LastLayerForward:
                     **kwargs) -> torch.Tensor:
         """BertLayer.forward for the queries at position 0 ([B, S, H] -> [B, 1, H]) or, given rows [B, R], at
         those positions ([B, S, H] -> [B, R, H])."""
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
         layer = self.layer
         attn = layer.attention.self
         batch, length = hidden_states.shape[:2]
@@ -106,9 +104,7 @@ class _LastLayerForward:
             else:
                 index = rows[:, None, :, None].expand(-1, attention_mask.shape[1], -1, attention_mask.shape[-1])
                 attention_mask = attention_mask.gather(2, index)
-        implementation = attn.config._attn_implementation
-        attention = _eager_attention(attn) if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
-        context, _ = attention(attn, query, key, value, attention_mask,
+        context, _ = attention_function(attn)(attn, query, key, value, attention_mask,
                                dropout=attn.dropout.p if attn.training else 0.0, scaling=attn.scaling, **kwargs)
         context = context.reshape(batch, picked.shape[1], -1).contiguous()
         return layer.feed_forward_chunk(layer.attention.output(context, picked))
@@ -128,6 +124,17 @@ def _take_rows(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def _eager_attention(attn: nn.Module):
     """The eager attention function of the attention module's own model file (each defines one), or None."""
     return getattr(sys.modules.get(type(attn).__module__), "eager_attention_forward", None)
+
+
+def attention_function(attn: nn.Module):
+    """The attention function attn's model calls for its config's implementation (the eager one of the model's
+    own file for "eager"), or None where there is none."""
+    implementation = attn.config._attn_implementation
+    if implementation == "eager":
+        return _eager_attention(attn)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[implementation] if implementation in ALL_ATTENTION_FUNCTIONS else None
 
 
 def _cuttable(mask) -> bool:

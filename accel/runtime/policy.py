@@ -39,6 +39,8 @@ Evidence (same data and seed in one process):
   inside a compiled softmax + dropout 0.96-1.60x. The eager call has since become one op whose CUDA kernel
   draws the mask and writes both outputs in one pass (accel::dropout_fwd): to measure before it goes on. fused Adam over 109.5M parameters 1.04x torch's
   fused=True in fp32, 0.76-0.78x with bf16 parameters (fp32 moments against torch's bf16 ones).
+  Since 2026-11-27 compiled code on CUDA takes torch's dropout instead of the opaque mask op, whatever the
+  hooks (accel.runtime.nn.bias_dropout_add._inductor_draws), so the compiled row can no longer lose.
   LayerNorm's kernels alone 0.97-3.27x forward and 1.24-2.56x backward, but no BERT step A/B with the hook
   on the GPU since the H100 run above: off until one shows a win.
 - CUDA, H200, second run (2026-11-26, bert_base_cuda_h200_guide.json): the guide workload in eager bf16 with

@@ -127,6 +127,21 @@ def test_size_and_mode_flags():
     assert args.out == "bert_base_cpu"
 
 
+def test_accel_variants_set_config_fields():
+    modes = bert_base.parse_modes("peer,accel,accel:compute.fuse_qkv=true+memory.gc=true+memory.gc_cnt=2")
+    assert bert_base.split_mode(modes[2]) == ("accel", {"compute.fuse_qkv": "true", "memory.gc": "true",
+                                                        "memory.gc_cnt": "2"})
+    config = bert_base.accel_config(bert_base.split_mode(modes[2])[1])
+    assert config.compute.fuse_qkv is True and config.memory.gc is True and config.memory.gc_cnt == 2
+    assert bert_base.accel_config({}).compute == type(config.compute)()  # no fields: the defaults
+    # variants are headline rows too, in the order given
+    assert bert_base.run_order(1, ["eager", "accel:compute.kernels=false", "peer"]) == [
+        (0, "accel:compute.kernels=false"), (0, "peer"), (0, "eager")]
+    for bad in ("accel:compute.nothing=1", "peer:compute.bf16=true", "accel:compute.bf16", "accel:compute.bf16=3"):
+        with pytest.raises(Exception):
+            bert_base.parse_modes(bad)
+
+
 # In a fresh process: importing torch_xla changes Dynamo's settings once per process.
 START_XLA = """
 import sys, torch._dynamo

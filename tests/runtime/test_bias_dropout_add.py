@@ -171,6 +171,17 @@ def test_torch_compile_fullgraph_matches_eager():
     torch.testing.assert_close(gx, gx_eager)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_compiled_code_leaves_cuda_to_inductor(device):
+    """Under torch.compile the op runs on the CPU, and on CUDA torch's dropout and adds, which Inductor fuses
+    with their neighbours (see philox_dropout's test of the same rule)."""
+    from .test_philox_dropout import traced_ops
+
+    ops = traced_ops(lambda x: bias_dropout_add(x, None, x, 0.3, True), device)
+    accel_ops = {op for op in ops if op.startswith("accel.")}
+    assert accel_ops == ({"accel.bias_dropout_add_fwd.default"} if device == "cpu" else set()), ops
+
+
 def test_bad_input_names_argument():
     x = torch.randn(3, 4)
     for bad in (-0.1, 1.5, "0.1", None, True):

@@ -21,7 +21,8 @@ The same Philox keep rule also serves a plain dropout, for models whose dropout 
 
 accel::dropout_mask draws only the keep mask (one byte per element, from torch's generator like the op
 above); the rest is x * mask / (1 - p): under torch.compile plain ops, which Inductor fuses with the
-neighbouring kernels; in eager code accel::dropout_fwd, called from C++, which returns that mask and the
+neighbouring kernels (on CUDA, where Inductor's Triton code draws its masks vectorised, compiled code takes
+torch's dropout and the reference instead: _inductor_draws); in eager code accel::dropout_fwd, called from C++, which returns that mask and the
 scaled x (one pass writes both on CUDA; on the CPU the mask kernel, then accel::masked_scale's one pass) and
 whose gradient is masked_scale's C++ node: one call costs the host what nn.Dropout's does. Why: Inductor's
 CPU code draws each element's random number with a scalar Philox of its own (~10 ns an element); dropout
@@ -137,9 +138,19 @@ def _ops():
     return _build.ops("bias_dropout_add", _register)
 
 
+def _inductor_draws(x: torch.Tensor) -> bool:
+    """Whether torch.compile is tracing a CUDA tensor. Inductor's Triton code then draws the mask (vectorised
+    Philox) inside the kernel it fuses around it, and an opaque op of ours would only split that kernel: a
+    compiled softmax + dropout with accel::dropout_mask ran at 0.80-0.92x of the same with F.dropout on an
+    H200 (benchmarks/results/kernels_cuda_h200_run2.json). So under compile on CUDA the plain ops run. On the
+    CPU Inductor draws a scalar Philox per element, and ours stays (module docstring)."""
+    return torch.compiler.is_compiling() and x.device.type == "cuda"
+
+
 def _fused(x, bias, residual, prob, training):
-    """The op on a call _check accepted: the kernels on CPU and CUDA tensors, the reference elsewhere."""
-    if use_kernel(x):
+    """The op on a call _check accepted: the kernels on CPU and CUDA tensors, the reference elsewhere (and
+    under torch.compile on CUDA, _inductor_draws)."""
+    if use_kernel(x) and not _inductor_draws(x):
         return _ops().bias_dropout_add_fwd(x, bias, residual, float(prob), bool(training))[0]
     return bias_dropout_add_reference(x, bias, residual, float(prob), bool(training))
 
@@ -189,7 +200,8 @@ def philox_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inpla
 
     Args:
         x (Tensor[...]): any floating dtype; CPU and CUDA tensors draw with accel::dropout_mask, others
-            (XLA), integer tensors, p = 1 and inplace=True take F.dropout itself.
+            (XLA), integer tensors, p = 1, inplace=True and CUDA tensors under torch.compile (where
+            Inductor's own fused dropout is faster) take F.dropout itself.
         p (float): the probability of zeroing an element, in [0, 1].
         training (bool): False returns x.
 
@@ -205,7 +217,8 @@ def philox_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inpla
     _check_p(p)
     if not training or p == 0.0:
         return x
-    if inplace or p == 1.0 or not isinstance(x, torch.Tensor) or not x.is_floating_point() or not use_kernel(x):
+    if (inplace or p == 1.0 or not isinstance(x, torch.Tensor) or not x.is_floating_point() or not use_kernel(x)
+            or _inductor_draws(x)):
         return F.dropout(x, p, training, inplace)
     mask = _ops().dropout_mask(x.shape, float(p), device=x.device)
     return mask * x * (1.0 / (1.0 - p))
