@@ -541,10 +541,11 @@ def test_recompile_guard_names_the_input_whose_shape_keeps_changing():
     assert [e.step for e in events if not e.warmup] == [5]
 
 
-def test_pack_gives_packed_rows_and_the_loss_of_the_samples_alone():
+@pytest.mark.parametrize("fuse_qkv", [False, True])
+def test_pack_gives_packed_rows_and_the_loss_of_the_samples_alone(fuse_qkv):
     """dataloader.pack: rows of max_length holding several samples; the loss is the mean over samples of
-    each sample's loss computed alone."""
-    config = cpu_config(compile=False, kernels=False)
+    each sample's loss computed alone (with the projections fused too: the document mask reaches them)."""
+    config = cpu_config(compile=False, kernels=False, fuse_qkv=fuse_qkv)
     config.dataloader.pack, config.dataloader.max_length = True, 32
     ref = tiny_bert()
     model, wrapped = accel.accelerate(tiny_bert(), loader(batch_size=4), config)
