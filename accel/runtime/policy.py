@@ -54,6 +54,12 @@ Evidence (same data and seed in one process):
   but autocast keeps parameters fp32). Yet in BERT-base 8x128 eager training, alternating steps with and
   without the LayerNorm hook, three runs gave 1.04x, 1.00x (bf16 autocast) and 1.02x (fp32): 25 LayerNorms
   are a few ms of a 2.2-3.7 s step, inside this host's +-4% noise. Not a measured win, so still off.
+- Under torch.compile, ops whose plain reference Inductor fuses with its neighbours step aside for it
+  (2026-11-27, 2-core AVX512-BF16 CPU, compiled fwd + bwd, ours/plain): quick_gelu(x + b) * 2 0.59x fp32 and
+  0.77x bf16, LayerNorm + window partition + reverse 0.43x fp32 and 1.04x bf16: both now trace as plain ops
+  (_common.use_kernel_eagerly). Those that win in a compiled graph keep their op there: bias_dropout_add
+  before a LayerNorm 5.6x fp32, 3.8x bf16 (Inductor's scalar Philox, above); Swin's q k^T + fmha + @ v
+  1.17-1.19x fp32, 1.99x bf16. On CUDA dropout steps aside too (above).
 So the one hook that wins today is PhiloxDropout on the CPU, compiled or not. This table is where the
 kernel-library issue (9) turns the others on, device by device, as each one beats torch's best in a
 measured run.

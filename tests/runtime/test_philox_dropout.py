@@ -16,6 +16,7 @@ from accel.runtime.nn.bias_dropout_add import PhiloxDropout, _ops, bias_dropout_
 
 from ._autograd_probe import ACCEL_RUNTIME, LIBRARY, python_calls, ran
 from ._params import DEVICES, DTYPES, tol
+from ._tracing import accel_ops, traced_ops
 
 SHAPES = [(7,), (3, 1001), (2, 5, 64), (0, 4), (129,)]
 
@@ -201,32 +202,16 @@ def test_torch_compile_fullgraph_matches_eager():
     torch.testing.assert_close(gx, gx_eager)
 
 
-def traced_ops(fn, device: str) -> set[str]:
-    """The ops fn(x) records while torch.compile would trace it (is_compiling() true) on a fake [4, 8] tensor
-    of `device`: fake tensors need no GPU, so the CUDA decision is checked here too."""
-    from unittest import mock
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    _ops()  # the ops exist before tracing
-    with FakeTensorMode():
-        x = torch.empty(4, 8, device=device)
-        with mock.patch("torch.compiler.is_compiling", lambda: True):
-            graph = make_fx(fn)(x)
-    return {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
-
-
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_compiled_code_draws_with_inductor_on_cuda_only(device):
     """Under torch.compile the mask comes from accel::dropout_mask on the CPU (Inductor's CPU code draws one
     scalar Philox per element) and from torch's own dropout on CUDA (Inductor fuses it into its kernel)."""
+    _ops()
     ops = traced_ops(lambda x: philox_dropout(x, 0.3), device)
-    accel_ops = {op for op in ops if op.startswith("accel.")}
     if device == "cpu":
-        assert accel_ops == {"accel.dropout_mask.default"}, ops
+        assert accel_ops(ops) == {"accel.dropout_mask.default"}, ops
     else:
-        assert not accel_ops and any("dropout" in op or "bernoulli" in op or "rand" in op for op in ops), ops
+        assert not accel_ops(ops) and any("dropout" in op or "bernoulli" in op or "rand" in op for op in ops), ops
 
 
 class TestPhiloxDropoutModule:

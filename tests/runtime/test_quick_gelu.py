@@ -6,6 +6,7 @@ from accel.runtime.nn.quick_gelu import QuickGelu, quick_gelu, quick_gelu_refere
 
 from ._autograd_probe import ACCEL_RUNTIME, LIBRARY, autograd_kernel, python_calls, ran
 from ._params import DEVICES, DTYPES, NO_CUDA, tol
+from ._tracing import accel_ops, traced_ops
 
 
 def _by_hand(x):
@@ -300,8 +301,9 @@ def test_memory_format_of_the_fake_kernels(device):
             torch.library.opcheck(torch.ops.accel.quick_gelu_bwd.default, (g, x), test_utils=utils)
 
     def step(t):
-        # quick_gelu's result feeds a product, and so does the backward op's in the compiled backward
-        return quick_gelu(t) * t
+        # the op's result feeds a product, and so does the backward op's in the compiled backward (the op
+        # itself: quick_gelu() takes the plain ops under compile)
+        return torch.ops.accel.quick_gelu_fwd(t) * t
 
     for name, x0 in _layouts(device, torch.float32).items():
         if name not in ("channels_last", "channels_last_with_gaps"):
@@ -315,6 +317,18 @@ def test_memory_format_of_the_fake_kernels(device):
         (y * c).sum().backward()
         (yt * c).sum().backward()
         torch.testing.assert_close(x.grad, xt.grad, msg=name)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_compiled_code_takes_the_plain_ops(device):
+    """Under torch.compile quick_gelu is x * sigmoid(1.702 x) in plain ops, which Inductor fuses with its
+    neighbours (an opaque op cost an extra pass: _common.use_kernel_eagerly); eager calls take the kernel."""
+    quick_gelu(torch.zeros(1))  # loads the kernels
+    ops = traced_ops(lambda x: quick_gelu(x + 1) * 2, device)
+    assert not accel_ops(ops) and "aten.sigmoid.default" in ops, ops
+    x = torch.randn(64, 3)
+    compiled = torch.compile(lambda t: quick_gelu(t + 1) * 2, fullgraph=True)
+    torch.testing.assert_close(compiled(x), _by_hand(x + 1) * 2)
 
 
 def test_gradient_is_cpp_and_an_ordinary_backward_runs_no_python():

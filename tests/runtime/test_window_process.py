@@ -15,6 +15,7 @@ from accel.utils.xla import xla_available
 
 from ._autograd_probe import ACCEL_RUNTIME, LIBRARY, autograd_kernel, python_calls, ran
 from ._params import DEVICES, DTYPES
+from ._tracing import accel_ops, traced_ops
 
 XLA_ON = bool(xla_available() and os.environ.get("PJRT_DEVICE"))
 if XLA_ON:
@@ -169,6 +170,20 @@ def test_torch_compile_fullgraph_forward_and_backward():
     y.backward(g)
     yr.backward(g)
     torch.testing.assert_close(xc.grad, xr.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_compiled_code_takes_the_plain_ops(device):
+    """Under torch.compile both ops are the roll and the permute in plain ops, which Inductor fuses into the
+    kernels next to them (an opaque op cost an extra pass: _common.use_kernel_eagerly)."""
+    WindowProcess.apply(torch.zeros(1, 4, 4, 1), 1, 4, 4, 1, 1, 2)  # loads the kernels
+
+    def block(x):
+        windows = WindowProcess.apply(x * 2, 2, 8, 12, 5, -2, 4)
+        return WindowProcessReverse.apply(windows, 2, 8, 12, 5, 2, 4)
+
+    ops = traced_ops(block, device, shape=(2, 8, 12, 5))
+    assert not accel_ops(ops) and "aten.roll.default" in ops, ops
 
 
 @pytest.mark.skipif(not XLA_ON, reason="needs torch_xla with PJRT_DEVICE set (PJRT_DEVICE=CPU works)")

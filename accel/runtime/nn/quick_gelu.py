@@ -1,9 +1,10 @@
 """QuickGELU: x * sigmoid(1.702 x), the GELU approximation of CLIP and GPT-style models.
 
 `quick_gelu(x)` and the `QuickGelu` module run the kernels in csrc/{cpu,cuda}/quick_gelu.* for CPU
-and CUDA tensors (fp16/bf16 computed in fp32), and `quick_gelu_reference` elsewhere. The result keeps
-x's memory format (channels-last, any permutation of dims) as torch's elementwise ops do, and so does
-the gradient with respect to x.
+and CUDA tensors (fp16/bf16 computed in fp32), and `quick_gelu_reference` elsewhere and under torch.compile
+(Inductor fuses it with the ops around it, which beats a kernel of its own: _common.use_kernel_eagerly).
+The result keeps x's memory format (channels-last, any permutation of dims) as torch's elementwise ops do,
+and so does the gradient with respect to x.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from accel.runtime import _build
-from accel.runtime.nn._common import FLOAT_DTYPES, check_tensor, use_kernel
+from accel.runtime.nn._common import FLOAT_DTYPES, check_tensor, use_kernel_eagerly
 
 ALPHA = 1.702
 
@@ -71,11 +72,11 @@ def _ops():
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     # the common call (a float tensor on the CPU or a GPU) goes straight to the kernel; anything else
-    # is checked, which names what is wrong, or takes the reference (XLA)
-    if isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES and use_kernel(x):
+    # is checked, which names what is wrong, or takes the reference (XLA, and torch.compile, which fuses it)
+    if isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES and use_kernel_eagerly(x):
         return _ops().quick_gelu_fwd(x)
     check_tensor("x", x)
-    if use_kernel(x):
+    if use_kernel_eagerly(x):
         return _ops().quick_gelu_fwd(x)
     return quick_gelu_reference(x)
 

@@ -10,14 +10,15 @@ like Swin's window_partition. The shift is torch.roll's, positive or negative, a
 negation, the backward's shift, is no int64); sizes are int64 too, others raise a ValueError naming them.
 Each op is one gather pass (csrc/{cpu,cuda}/window_process.*) instead of a roll followed by a permute
 copy; its backward is the other op with the opposite shift. CPU and CUDA tensors run the kernels (any float
-dtype: they copy bytes), other devices (XLA) run the plain-PyTorch reference below.
+dtype: they copy bytes), other devices (XLA) and torch.compile run the plain-PyTorch reference below (Inductor
+fuses the roll and the permute into the kernels next to them: _common.use_kernel_eagerly).
 """
 from __future__ import annotations
 
 import torch
 
 from accel.runtime import _build
-from accel.runtime.nn._common import FLOAT_DTYPES, check_tensor, use_kernel
+from accel.runtime.nn._common import FLOAT_DTYPES, check_tensor, use_kernel_eagerly
 from accel.utils.checks import check_int
 
 
@@ -90,13 +91,13 @@ def _check_geometry(B, H, W, C, shift_size, window_size):
 
 
 def _partition(x, H, W, shift, ws):
-    if use_kernel(x):
+    if use_kernel_eagerly(x):
         return _ops().window_process_partition(x, ws, shift)
     return window_process_reference(x, shift, ws)
 
 
 def _reverse(windows, H, W, shift, ws):
-    if use_kernel(windows):
+    if use_kernel_eagerly(windows):
         return _ops().window_process_reverse(windows, H, W, ws, shift)
     return window_process_reverse_reference(windows, H, W, shift, ws)
 
@@ -114,7 +115,7 @@ def _common_call(t, B, H, W, C, shift_size, window_size) -> bool:
         and B > 0 and C > 0 and H > 0 and W > 0 and window_size > 0 \
         and not H % window_size and not W % window_size \
         and -_INT64_MAX <= shift_size <= _INT64_MAX \
-        and type(t) is torch.Tensor and use_kernel(t) and t.dtype in FLOAT_DTYPES
+        and type(t) is torch.Tensor and use_kernel_eagerly(t) and t.dtype in FLOAT_DTYPES
 
 
 # Plain classes called as WindowProcess.apply(...), the interface of the torch.autograd.Function each
