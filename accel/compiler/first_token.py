@@ -105,7 +105,8 @@ class _LastLayerForward:
                 index = rows[:, None, :, None].expand(-1, attention_mask.shape[1], -1, attention_mask.shape[-1])
                 attention_mask = attention_mask.gather(2, index)
         context, _ = attention_function(attn)(attn, query, key, value, attention_mask,
-                               dropout=attn.dropout.p if attn.training else 0.0, scaling=attn.scaling, **kwargs)
+                                              dropout=attn.dropout.p if attn.training else 0.0,
+                                              scaling=attn.scaling, **kwargs)
         context = context.reshape(batch, picked.shape[1], -1).contiguous()
         return layer.feed_forward_chunk(layer.attention.output(context, picked))
 
