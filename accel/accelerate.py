@@ -152,13 +152,10 @@ def _apply_kernels(model: nn.Module, kernels: frozenset[str]) -> None:
 
 
 def _compile(model: nn.Module, backend: str, cuda_graphs: bool, n_shapes: int) -> None:
-    import torch._dynamo
+    from accel.utils.dynamo import allow_recompiles
 
     # One graph per static shape (bucket lengths, plus a short last batch of each): keep them all cached.
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 2 * n_shapes + 2))
-            break
+    allow_recompiles(2 * n_shapes + 2)
     graphs = backend == "cuda" and cuda_graphs
     model.compile(dynamic=False, mode="reduce-overhead" if graphs else None)
     if graphs:  # a .grad kept past its step (zero_grad(set_to_none=False), micro-batches) must outlive replays

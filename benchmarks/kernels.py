@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from accel.utils.dynamo import allow_recompiles  # noqa: E402
 from benchmarks import _report, kernel_cases  # noqa: E402
 
 
@@ -75,6 +76,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     ops = {o.strip() for o in args.ops.split(",") if o.strip()} or None
 
+    # The cases compile one function per op for every size and dtype (and the closures of one lambda share
+    # its cache): past Dynamo's default limit of 8 the rest would run eagerly and be timed as "compiled".
+    allow_recompiles(64)
     bw = copy_bandwidth(args.device)
     env = _report.environment(args.device)
     print(f"device: {env['device']}   torch {env['torch']}   copy bandwidth {bw / 1e9:.1f} GB/s\n")

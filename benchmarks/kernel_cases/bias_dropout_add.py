@@ -51,7 +51,35 @@ def cases(device: str, quick: bool) -> list[Case]:
                 "torch eager": lambda step=step: step(bias_dropout_add_reference),
                 "torch.compile(ref)": lambda step=step: step(compiled_ref),
             }))
-    return out + _philox_dropout_cases(device, rows_list)
+    return out + _philox_dropout_cases(device, rows_list) + _compiled_cases(device, rows_list)
+
+
+def _compiled_cases(device: str, rows_list) -> list[Case]:
+    """bias_dropout_add inside a compiled graph, before the LayerNorm it feeds in a transformer, forward +
+    backward: ours (the kernel op in the graph on the CPU; on CUDA torch's dropout, which Inductor fuses)
+    against the plain reference compiled."""
+    import torch.nn.functional as F
+
+    def graph(op):
+        return torch.compile(lambda x, b, r, w: F.layer_norm(op(x * 1.5, b, r, P, True), (HIDDEN,), w), dynamic=False)
+
+    ours, theirs = graph(bias_dropout_add), graph(bias_dropout_add_reference)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in rows_list:
+            x, r = (torch.randn(rows, HIDDEN, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+            b, w = (torch.randn(HIDDEN, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+            g = torch.randn(rows, HIDDEN, device=device, dtype=dtype)
+            nbytes = x.numel() * x.element_size()
+            label = f"{x.numel() / 2**20:g}M {str(dtype).replace('torch.', '')}"
+
+            def step(fn, x=x, b=b, r=r, w=w, g=g):
+                return torch.autograd.grad(fn(x, b, r, w), (x, b, r, w), g)
+
+            # forward reads x and r, writes the output; backward reads g (and what it saved), writes dx, dr
+            out.append(Case("bias_dropout_add compiled, before a LayerNorm, fwd+bwd", label, 6 * nbytes,
+                            lambda step=step: step(ours), {"compiled reference": lambda step=step: step(theirs)}))
+    return out
 
 
 def _softmax_dropout(dropout):

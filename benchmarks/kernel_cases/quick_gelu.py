@@ -1,6 +1,6 @@
 import torch
 
-from accel.runtime.nn.quick_gelu import quick_gelu, quick_gelu_reference
+from accel.runtime.nn.quick_gelu import _ops, quick_gelu, quick_gelu_reference
 
 from . import Case
 
@@ -26,6 +26,38 @@ def cases(device: str, quick: bool) -> list[Case]:
                 "torch autograd": lambda xg=xg, g=g: torch.autograd.grad(
                     xg * torch.sigmoid(1.702 * xg), xg, g)[0],
             }))
+    return out + _compiled_cases(device, sizes)
+
+
+def _in_graph(act):
+    """What an MLP compiles around its activation: the bias add before it and a product after it."""
+    return lambda x, b: act(x + b) * 2
+
+
+def _compiled_cases(device: str, sizes) -> list[Case]:
+    """quick_gelu inside a compiled graph, forward + backward: ours (which traces as plain ops there, see
+    accel.runtime.nn._common.use_kernel_eagerly) against the plain ops and against the kernel op itself in
+    the graph (what quick_gelu traced as before 2026-11-27: an extra pass, Inductor cannot fuse it)."""
+    _ops()  # torch.ops.accel.quick_gelu_fwd exists from here on
+    ours = torch.compile(_in_graph(quick_gelu), dynamic=False)
+    peers = {"compiled plain ops": torch.compile(_in_graph(quick_gelu_reference), dynamic=False),
+             "compiled accel::quick_gelu_fwd": torch.compile(_in_graph(torch.ops.accel.quick_gelu_fwd), dynamic=False)}
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in sizes:
+            x = torch.randn(n // 3072 or 1, 3072, device=device, dtype=dtype, requires_grad=True)
+            b = torch.randn(3072, device=device, dtype=dtype, requires_grad=True)
+            g = torch.randn_like(x)
+            nbytes = x.numel() * x.element_size()
+            label = f"{x.numel() / 2**20:g}M {str(dtype).replace('torch.', '')}"
+
+            def step(fn, x=x, b=b, g=g):
+                return torch.autograd.grad(fn(x, b), (x, b), g)
+
+            # forward reads x, writes y; backward reads g and x, writes dx
+            out.append(Case("quick_gelu compiled, between x + b and * 2, fwd+bwd", label, 5 * nbytes,
+                            lambda step=step: step(ours),
+                            {name: lambda step=step, fn=fn: step(fn) for name, fn in peers.items()}))
     return out
 
 

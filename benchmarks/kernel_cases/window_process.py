@@ -3,6 +3,7 @@ import torch
 from accel.runtime.nn.window_process import (
     WindowProcess,
     WindowProcessReverse,
+    _ops,
     window_process_reference,
     window_process_reverse_reference,
 )
@@ -37,6 +38,50 @@ def cases(device: str, quick: bool) -> list[Case]:
                     w, h, h, shift, ws),
                 "torch.compile(ref)": lambda w=windows, h=hw: reverse_ref(w, h, h, shift, ws),
             }))
+    return out + _compiled_cases(device, batch)
+
+
+def _compiled_cases(device: str, batch: int) -> list[Case]:
+    """A shifted Swin block's window ops inside a compiled graph, forward + backward, with the LayerNorm
+    before them: ours (plain ops there, accel.runtime.nn._common.use_kernel_eagerly) against the plain ops
+    and against the kernel ops themselves in the graph (what they traced as before 2026-11-27)."""
+    import torch.nn.functional as F
+
+    ws, shift = 7, 3
+    _ops()  # torch.ops.accel.window_process_* exist from here on
+
+    def block(partition, reverse):
+        def f(x, w):
+            h = x.shape[1]
+            windows = partition(F.layer_norm(x, x.shape[-1:], w), h)
+            return reverse(windows * 2, h) + x
+        return torch.compile(f, dynamic=False)
+
+    B = batch
+    ours = block(lambda t, h: WindowProcess.apply(t, B, h, h, t.shape[-1], -shift, ws),
+                 lambda t, h: WindowProcessReverse.apply(t, B, h, h, t.shape[-1], shift, ws))
+    peers = {
+        "compiled plain ops": block(lambda t, h: window_process_reference(t, -shift, ws),
+                                    lambda t, h: window_process_reverse_reference(t, h, h, shift, ws)),
+        "compiled accel ops": block(lambda t, h: torch.ops.accel.window_process_partition(t, ws, -shift),
+                                    lambda t, h: torch.ops.accel.window_process_reverse(t, h, h, ws, shift)),
+    }
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for stage, hw, c in STAGES:
+            x = torch.randn(batch, hw, hw, c, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(c, device=device, dtype=dtype, requires_grad=True)
+            g = torch.randn_like(x)
+            nbytes = x.numel() * x.element_size()
+            label = f"B{batch} {stage} {hw}x{hw}x{c} {str(dtype).replace('torch.', '')}"
+
+            def step(fn, x=x, w=w, g=g):
+                return torch.autograd.grad(fn(x, w), (x, w), g)
+
+            # forward reads x, writes the output; backward reads g and x, writes dx
+            out.append(Case("window_process compiled, LayerNorm -> partition -> reverse, fwd+bwd", label, 5 * nbytes,
+                            lambda step=step: step(ours),
+                            {name: lambda step=step, fn=fn: step(fn) for name, fn in peers.items()}))
     return out
 
 

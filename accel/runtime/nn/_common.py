@@ -39,8 +39,7 @@ def use_kernel(t: torch.Tensor) -> bool:
 
 
 def use_kernel_eagerly(t: torch.Tensor) -> bool:
-    """use_kernel, but not while torch.compile traces: for ops that only map or move elements (quick_gelu,
-    window_process), whose plain reference Inductor fuses into the kernels next to it, where our opaque op
-    adds a pass over memory of its own. Compiled fwd + bwd on a 2-core CPU (2026-11-27): quick_gelu(x + b) * 2
-    0.59x (fp32) and 0.77x (bf16) with our op; LayerNorm, window partition, reverse 0.43x (fp32), 1.04x (bf16)."""
+    """use_kernel, but not while torch.compile traces: for elementwise ops whose plain reference Inductor
+    fuses into the kernels next to it, where our opaque op adds a pass over memory of its own (quick_gelu:
+    benchmarks/kernel_cases/quick_gelu.py, compiled rows)."""
     return (t.is_cpu or t.is_cuda) and not torch.compiler.is_compiling()

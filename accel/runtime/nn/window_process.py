@@ -10,16 +10,28 @@ like Swin's window_partition. The shift is torch.roll's, positive or negative, a
 negation, the backward's shift, is no int64); sizes are int64 too, others raise a ValueError naming them.
 Each op is one gather pass (csrc/{cpu,cuda}/window_process.*) instead of a roll followed by a permute
 copy; its backward is the other op with the opposite shift. CPU and CUDA tensors run the kernels (any float
-dtype: they copy bytes), other devices (XLA) and torch.compile run the plain-PyTorch reference below (Inductor
-fuses the roll and the permute into the kernels next to them: _common.use_kernel_eagerly).
+dtype: they copy bytes), other devices (XLA) run the plain-PyTorch reference below, and so does torch.compile
+where Inductor does better with it (_kernel_for).
 """
 from __future__ import annotations
 
 import torch
 
 from accel.runtime import _build
-from accel.runtime.nn._common import FLOAT_DTYPES, check_tensor, use_kernel_eagerly
+from accel.runtime.nn._common import FLOAT_DTYPES, check_tensor
 from accel.utils.checks import check_int
+
+
+def _kernel_for(t: torch.Tensor) -> bool:
+    """Whether t takes the kernels. Under torch.compile only 16-bit tensors on the CPU do: elsewhere Inductor
+    fuses the roll and the permute into the kernels next to them, which beats an opaque op's extra pass, and
+    on the CPU its code for 16-bit dtypes does not (benchmarks/kernel_cases/window_process.py, compiled
+    LayerNorm -> partition -> reverse, fwd + bwd, 2-core CPU, 2026-11-27, the ops in the graph against plain
+    ops: 0.19-0.54x in fp32; in bf16 2.4-3.1x at Swin stage 1 and 0.79-0.94x at stage 3, which moves a
+    quarter of stage 1's bytes; CUDA not yet measured)."""
+    if not (t.is_cpu or t.is_cuda):
+        return False
+    return not torch.compiler.is_compiling() or (t.is_cpu and t.element_size() == 2)
 
 
 def window_partition(x: torch.Tensor, window_size: int) -> torch.Tensor:
@@ -91,13 +103,13 @@ def _check_geometry(B, H, W, C, shift_size, window_size):
 
 
 def _partition(x, H, W, shift, ws):
-    if use_kernel_eagerly(x):
+    if _kernel_for(x):
         return _ops().window_process_partition(x, ws, shift)
     return window_process_reference(x, shift, ws)
 
 
 def _reverse(windows, H, W, shift, ws):
-    if use_kernel_eagerly(windows):
+    if _kernel_for(windows):
         return _ops().window_process_reverse(windows, H, W, ws, shift)
     return window_process_reverse_reference(windows, H, W, shift, ws)
 
@@ -115,7 +127,7 @@ def _common_call(t, B, H, W, C, shift_size, window_size) -> bool:
         and B > 0 and C > 0 and H > 0 and W > 0 and window_size > 0 \
         and not H % window_size and not W % window_size \
         and -_INT64_MAX <= shift_size <= _INT64_MAX \
-        and type(t) is torch.Tensor and use_kernel_eagerly(t) and t.dtype in FLOAT_DTYPES
+        and type(t) is torch.Tensor and _kernel_for(t) and t.dtype in FLOAT_DTYPES
 
 
 # Plain classes called as WindowProcess.apply(...), the interface of the torch.autograd.Function each
