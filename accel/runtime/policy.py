@@ -55,16 +55,17 @@ Evidence (same data and seed in one process):
   without the LayerNorm hook, three runs gave 1.04x, 1.00x (bf16 autocast) and 1.02x (fp32): 25 LayerNorms
   are a few ms of a 2.2-3.7 s step, inside this host's +-4% noise. Not a measured win, so still off.
 - Under torch.compile, ops whose plain reference Inductor fuses with its neighbours step aside for it
-  (benchmarks/kernels.py compiled rows, 2-core AVX512-BF16 CPU, 2026-11-27, fwd + bwd, the op in the graph
-  against the plain ops): quick_gelu after a bias add 0.56-0.86x, so it traces as plain ops
-  (_common.use_kernel_eagerly); LayerNorm + window partition + reverse 0.19-0.54x in fp32 but 2.4-3.1x in
-  bf16 at Swin stage 1 (0.79-0.94x at stage 3, a quarter of the bytes), so window_process keeps its ops in
-  compiled CPU code for 16-bit dtypes only. Those that win in a compiled graph keep their op there: bias_dropout_add before a LayerNorm
-  2.3-7.4x, softmax + philox_dropout 3.0-9.9x (Inductor's scalar Philox, above); Swin's q k^T + fmha + @ v
-  1.17-1.19x fp32, 1.99x bf16 (an A/B script). On CUDA dropout and window_process step aside too (not yet
-  measured there: the next kernels run has the compiled rows). The kernels benchmark's compiled rows of
-  runs before 2026-11-27 (the H200 ones too) are suspect: cases sharing one lambda's code object exceeded
-  Dynamo's recompile limit and ran eagerly (kernels.py now raises it: accel.utils.dynamo).
+  (benchmarks/kernels.py compiled rows: kernels_cpu_avx512_compiled.json and two runs before it, 2-core
+  AVX512-BF16 CPU, 2026-11-27, fwd + bwd, the op in the graph against the plain ops): quick_gelu after a
+  bias add 0.56-0.86x, so it traces as plain ops (_common.use_kernel_eagerly); LayerNorm + window partition
+  + reverse 0.19-0.54x in fp32 but 1.5-3.1x in bf16 at Swin stage 1 (0.79-0.94x at stage 3, a quarter of
+  the bytes), so window_process keeps its ops in compiled CPU code for 16-bit dtypes only. Those that win in
+  a compiled graph keep their op there: bias_dropout_add before a LayerNorm 1.3-7.4x, softmax +
+  philox_dropout 3.0-10.4x (Inductor's scalar Philox, above); Swin's q k^T + fmha + @ v 1.17-1.19x fp32,
+  1.99x bf16 (an A/B script). On CUDA dropout and window_process step aside too (not yet measured there:
+  the next kernels run has the compiled rows). The kernels benchmark's compiled peers of runs before
+  2026-11-27 (the H200 ones too) ran eagerly past the 8th shape of a case module: its cases share one
+  lambda's code object, past Dynamo's recompile limit (kernels.py now raises it: accel.utils.dynamo).
 So the one hook that wins today is PhiloxDropout on the CPU, compiled or not. This table is where the
 kernel-library issue (9) turns the others on, device by device, as each one beats torch's best in a
 measured run.

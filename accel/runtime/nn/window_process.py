@@ -27,7 +27,7 @@ def _kernel_for(t: torch.Tensor) -> bool:
     fuses the roll and the permute into the kernels next to them, which beats an opaque op's extra pass, and
     on the CPU its code for 16-bit dtypes does not (benchmarks/kernel_cases/window_process.py, compiled
     LayerNorm -> partition -> reverse, fwd + bwd, 2-core CPU, 2026-11-27, the ops in the graph against plain
-    ops: 0.19-0.54x in fp32; in bf16 2.4-3.1x at Swin stage 1 and 0.79-0.94x at stage 3, which moves a
+    ops: 0.19-0.54x in fp32; in bf16 1.5-3.1x at Swin stage 1 and 0.79-0.94x at stage 3, which moves a
     quarter of stage 1's bytes; CUDA not yet measured)."""
     if not (t.is_cpu or t.is_cuda):
         return False
