@@ -38,13 +38,10 @@ class _FusedQKVForward:
 
     def __init__(self, attn: nn.Module):
         self.attn = attn
-        self.inner = attn.__dict__.get("forward")  # an instance forward set before us, if any
 
     def __call__(self, hidden_states, attention_mask=None, *args, **kwargs):
         attn = self.attn
         if args or any(kwargs.get(name) is not None for name in _OWN_FORWARD_KWARGS) or not _plain(attn):
-            if self.inner is not None:
-                return self.inner(hidden_states, attention_mask, *args, **kwargs)
             return type(attn).forward(attn, hidden_states, attention_mask, *args, **kwargs)
         kwargs = {k: v for k, v in kwargs.items() if k not in _OWN_FORWARD_KWARGS}
         query, key, value = fused_projections(attn, hidden_states)
@@ -109,7 +106,7 @@ def fuse_qkv(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module.__dict__.get("forward"), _FusedQKVForward):
             fused += 1
-        elif _self_attention(module):
+        elif "forward" not in module.__dict__ and _self_attention(module):  # another instance forward: its own
             object.__setattr__(module, "forward", _FusedQKVForward(module))
             fused += 1
     return fused

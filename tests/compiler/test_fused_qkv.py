@@ -137,6 +137,12 @@ def test_left_alone_where_it_does_not_apply():
         vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37,
         is_decoder=True))
     assert fuse_qkv(lm) == 0
+    # a self-attention with an instance forward of someone else's keeps it
+    model = _model("BertForSequenceClassification")
+    attn = model.bert.encoder.layer[0].attention.self
+    own = type(attn).forward.__get__(attn)
+    attn.forward = own
+    assert fuse_qkv(model) == 1 and attn.forward is own
     # projections replaced by something else than nn.Linear (a LoRA-like wrapper) stay unfused, per call
     model = _model("BertForSequenceClassification")
     fuse_qkv(model)
