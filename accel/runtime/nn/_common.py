@@ -42,4 +42,4 @@ def use_kernel_eagerly(t: torch.Tensor) -> bool:
     """use_kernel, but not while torch.compile traces: for elementwise ops whose plain reference Inductor
     fuses into the kernels next to it, where our opaque op adds a pass over memory of its own (quick_gelu:
     benchmarks/kernel_cases/quick_gelu.py, compiled rows)."""
-    return (t.is_cpu or t.is_cuda) and not torch.compiler.is_compiling()
+    return use_kernel(t) and not torch.compiler.is_compiling()

@@ -22,11 +22,12 @@ The same Philox keep rule also serves a plain dropout, for models whose dropout 
 accel::dropout_mask draws only the keep mask (one byte per element, from torch's generator like the op
 above); the rest is x * mask / (1 - p): under torch.compile plain ops, which Inductor fuses with the
 neighbouring kernels (on CUDA, where Inductor's Triton code draws its masks vectorised, compiled code takes
-torch's dropout and the reference instead: _inductor_draws); in eager code accel::dropout_fwd, called from C++, which returns that mask and the
-scaled x (one pass writes both on CUDA; on the CPU the mask kernel, then accel::masked_scale's one pass) and
-whose gradient is masked_scale's C++ node: one call costs the host what nn.Dropout's does. Why: Inductor's
-CPU code draws each element's random number with a scalar Philox of its own (~10 ns an element); dropout
-then took ~11% of a compiled BERT-base training step on the CPU, and the kernel here draws 64 at a time.
+torch's dropout and the reference instead: _inductor_draws); in eager code accel::dropout_fwd, called from
+C++, which returns that mask and the scaled x (one pass writes both on CUDA; on the CPU the mask kernel,
+then accel::masked_scale's one pass) and whose gradient is masked_scale's C++ node: one call costs the host
+what nn.Dropout's does. Why: Inductor's CPU code draws each element's random number with a scalar Philox
+of its own (~10 ns an element); dropout then took ~11% of a compiled BERT-base training step on the CPU,
+and the kernel here draws 64 at a time.
 """
 from __future__ import annotations
 
@@ -141,9 +142,10 @@ def _ops():
 def _inductor_draws(x: torch.Tensor) -> bool:
     """Whether torch.compile is tracing a CUDA tensor. Inductor's Triton code then draws the mask (vectorised
     Philox) inside the kernel it fuses around it, and an opaque op of ours would only split that kernel: a
-    compiled softmax + dropout with accel::dropout_mask ran at 0.80-0.92x of the same with F.dropout on an
-    H200 (benchmarks/results/kernels_cuda_h200_run2.json). So under compile on CUDA the plain ops run. On the
-    CPU Inductor draws a scalar Philox per element, and ours stays (module docstring)."""
+    compiled softmax + dropout with accel::dropout_mask ran at 0.80x of the same with F.dropout on an H200
+    at 1M fp32 (benchmarks/results/kernels_cuda_h200_run2.json; its 16M bf16 0.92x was timed eagerly past
+    Dynamo's recompile limit). So under compile on CUDA the plain ops run. On the CPU Inductor draws a
+    scalar Philox per element, and ours stays (module docstring)."""
     return torch.compiler.is_compiling() and x.device.type == "cuda"
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from accel.runtime import _build
-from accel.runtime.nn._common import FLOAT_DTYPES, check_tensor
+from accel.runtime.nn._common import FLOAT_DTYPES, check_tensor, use_kernel
 from accel.utils.checks import check_int
 
 
@@ -29,9 +29,7 @@ def _kernel_for(t: torch.Tensor) -> bool:
     LayerNorm -> partition -> reverse, fwd + bwd, 2-core CPU, 2026-11-27, the ops in the graph against plain
     ops: 0.19-0.54x in fp32; in bf16 1.5-3.1x at Swin stage 1 and 0.79-0.94x at stage 3, which moves a
     quarter of stage 1's bytes; CUDA not yet measured)."""
-    if not (t.is_cpu or t.is_cuda):
-        return False
-    return not torch.compiler.is_compiling() or (t.is_cpu and t.element_size() == 2)
+    return use_kernel(t) and (not torch.compiler.is_compiling() or (t.is_cpu and t.element_size() == 2))
 
 
 def window_partition(x: torch.Tensor, window_size: int) -> torch.Tensor:
