@@ -25,3 +25,15 @@ class Case:
     ours: Callable[[], Any]
     peers: dict[str, Callable[[], Any]] = field(default_factory=dict)  # name -> callable
     memory_bound: bool = True     # judged against copy bandwidth when True
+
+
+def grad_case(op: str, size: str, bytes_moved: int, inputs: tuple, grad_output, ours: Callable[..., Any],
+              peers: dict[str, Callable[..., Any]]) -> Case:
+    """A Case timing fn(*inputs) forward and backward (the gradients of all inputs for grad_output) for ours
+    and for each peer: how an op performs inside a compiled graph, next to the same graph in other ops."""
+    import torch
+
+    def step(fn):
+        return torch.autograd.grad(fn(*inputs), inputs, grad_output)
+
+    return Case(op, size, bytes_moved, lambda: step(ours), {name: lambda fn=fn: step(fn) for name, fn in peers.items()})

@@ -15,7 +15,7 @@ from accel.runtime.nn.bias_dropout_add import (
     philox_dropout,
 )
 
-from . import Case
+from . import Case, grad_case
 
 P = 0.1
 HIDDEN = 1024
@@ -72,13 +72,9 @@ def _compiled_cases(device: str, rows_list) -> list[Case]:
             g = torch.randn(rows, HIDDEN, device=device, dtype=dtype)
             nbytes = x.numel() * x.element_size()
             label = f"{x.numel() / 2**20:g}M {str(dtype).replace('torch.', '')}"
-
-            def step(fn, x=x, b=b, r=r, w=w, g=g):
-                return torch.autograd.grad(fn(x, b, r, w), (x, b, r, w), g)
-
             # forward reads x and r, writes the output; backward reads g (and what it saved), writes dx, dr
-            out.append(Case("bias_dropout_add compiled, before a LayerNorm, fwd+bwd", label, 6 * nbytes,
-                            lambda step=step: step(ours), {"compiled reference": lambda step=step: step(theirs)}))
+            out.append(grad_case("bias_dropout_add compiled, before a LayerNorm, fwd+bwd", label, 6 * nbytes,
+                                 (x, b, r, w), g, ours, {"compiled reference": theirs}))
     return out
 
 

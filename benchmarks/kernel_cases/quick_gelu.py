@@ -2,7 +2,7 @@ import torch
 
 from accel.runtime.nn.quick_gelu import _ops, quick_gelu, quick_gelu_reference
 
-from . import Case
+from . import Case, grad_case
 
 
 def cases(device: str, quick: bool) -> list[Case]:
@@ -50,14 +50,9 @@ def _compiled_cases(device: str, sizes) -> list[Case]:
             g = torch.randn_like(x)
             nbytes = x.numel() * x.element_size()
             label = f"{x.numel() / 2**20:g}M {str(dtype).replace('torch.', '')}"
-
-            def step(fn, x=x, b=b, g=g):
-                return torch.autograd.grad(fn(x, b), (x, b), g)
-
             # forward reads x, writes y; backward reads g and x, writes dx
-            out.append(Case("quick_gelu compiled, between x + b and * 2, fwd+bwd", label, 5 * nbytes,
-                            lambda step=step: step(ours),
-                            {name: lambda step=step, fn=fn: step(fn) for name, fn in peers.items()}))
+            out.append(grad_case("quick_gelu compiled, between x + b and * 2, fwd+bwd", label, 5 * nbytes,
+                                 (x, b), g, ours, peers))
     return out
 
 

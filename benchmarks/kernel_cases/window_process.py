@@ -8,7 +8,7 @@ from accel.runtime.nn.window_process import (
     window_process_reverse_reference,
 )
 
-from . import Case
+from . import Case, grad_case
 
 # Swin-T at 224x224: (H=W, C) of stages 1 and 3, window 7, shift 3 (the shifted blocks).
 STAGES = [("stage1", 56, 96), ("stage3", 14, 384)]
@@ -74,14 +74,9 @@ def _compiled_cases(device: str, batch: int) -> list[Case]:
             g = torch.randn_like(x)
             nbytes = x.numel() * x.element_size()
             label = f"B{batch} {stage} {hw}x{hw}x{c} {str(dtype).replace('torch.', '')}"
-
-            def step(fn, x=x, w=w, g=g):
-                return torch.autograd.grad(fn(x, w), (x, w), g)
-
             # forward reads x, writes the output; backward reads g and x, writes dx
-            out.append(Case("window_process compiled, LayerNorm -> partition -> reverse, fwd+bwd", label, 5 * nbytes,
-                            lambda step=step: step(ours),
-                            {name: lambda step=step, fn=fn: step(fn) for name, fn in peers.items()}))
+            out.append(grad_case("window_process compiled, LayerNorm -> partition -> reverse, fwd+bwd", label,
+                                 5 * nbytes, (x, w), g, ours, peers))
     return out
 
 
