@@ -94,9 +94,14 @@ class _LastLayerForward:
         batch, length = hidden_states.shape[:2]
         picked = hidden_states[:, :1] if rows is None else _take_rows(hidden_states, rows)
         head = attn.attention_head_size
+        from accel.compiler.fused_qkv import fused_projections, runs_fused  # it imports this module
+
         query = attn.query(picked).view(batch, picked.shape[1], -1, head).transpose(1, 2)
-        key = attn.key(hidden_states).view(batch, length, -1, head).transpose(1, 2)
-        value = attn.value(hidden_states).view(batch, length, -1, head).transpose(1, 2)
+        if runs_fused(attn):
+            key, value = fused_projections(attn, hidden_states, ("key", "value"))
+        else:
+            key = attn.key(hidden_states).view(batch, length, -1, head).transpose(1, 2)
+            value = attn.value(hidden_states).view(batch, length, -1, head).transpose(1, 2)
         if attention_mask is not None and attention_mask.shape[-2] != 1:
             # [B, 1|heads, S, S] -> the rows of the queries kept
             if rows is None:

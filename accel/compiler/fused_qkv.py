@@ -5,7 +5,9 @@ BertSelfAttention (and RoBERTa's, ELECTRA's... copies of it) projects the same h
 that runs one [N, H] x [H, 3H] product with the three weights (and biases) concatenated, then splits the result:
 forward one GEMM instead of three, backward one for the input's gradient (instead of three and two sums) and one
 for the weights'. Small products use a GPU's tensor cores, or a CPU's cores, poorly: one product three times as
-wide keeps more of them busy and launches fewer kernels.
+wide keeps more of them busy and launches fewer kernels. A last layer cut to the first token
+(accel.compiler.first_token) projects its queries for those positions alone and takes keys and values from
+one GEMM.
 
 The parameters stay three nn.Linear modules: names, state_dict, optimizers and checkpoints see no change. The
 concatenation copies 3 H^2 weights per layer and step (under torch.compile it is one kernel with autocast's cast
@@ -51,14 +53,21 @@ class _FusedQKVForward:
         return output.reshape(*hidden_states.shape[:-1], -1).contiguous(), weights
 
 
-def fused_projections(attn: nn.Module, hidden_states: torch.Tensor):
-    """query, key and value of hidden_states [..., L, H], each [..., heads, L, head_size], from one GEMM."""
-    linears = [getattr(attn, name) for name in _PROJECTIONS]
+def fused_projections(attn: nn.Module, hidden_states: torch.Tensor, names: tuple[str, ...] = _PROJECTIONS):
+    """The projections `names` (default query, key and value) of hidden_states [..., L, H], each
+    [..., heads, L, head_size], from one GEMM."""
+    linears = [getattr(attn, name) for name in names]
     weight = torch.cat([linear.weight for linear in linears])
     bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
     qkv = F.linear(hidden_states, weight, bias)
     shape = (*hidden_states.shape[:-1], -1, attn.attention_head_size)
     return tuple(part.view(shape).transpose(-3, -2) for part in qkv.split([lin.out_features for lin in linears], -1))
+
+
+def runs_fused(attn: nn.Module) -> bool:
+    """Whether fuse_qkv gave attn its forward and the projections still qualify (first_token's last layer,
+    which projects its queries for a few positions only, then takes keys and values from one GEMM too)."""
+    return isinstance(attn.__dict__.get("forward"), _FusedQKVForward) and _plain(attn)
 
 
 def _plain(attn: nn.Module) -> bool:

@@ -159,6 +159,21 @@ def test_left_alone_where_it_does_not_apply():
     torch.testing.assert_close(model(**batch).logits, reference(**batch).logits, rtol=1e-5, atol=1e-6)
 
 
+def test_the_first_token_layer_takes_keys_and_values_from_one_gemm():
+    model = _model("BertForSequenceClassification")
+    reference = copy.deepcopy(model)
+    first_token_only(model)
+    fuse_qkv(model)
+    batch = _batch()
+    calls, Count = _linear_calls(model)
+    with Count():
+        logits = model(**batch).logits
+    # layer 0: query, key and value in one 96-wide product; the last layer: its query alone (32 wide, one
+    # token), key and value in one 64-wide product
+    assert calls.count(96) == 1 and calls.count(64) == 1, calls
+    torch.testing.assert_close(logits, reference(**batch).logits, rtol=1e-5, atol=1e-6)
+
+
 def test_with_first_token_only_and_compile():
     model = _model("BertForSequenceClassification")
     reference = copy.deepcopy(model)
