@@ -89,13 +89,13 @@ class _LastLayerForward:
                     **kwargs) -> torch.Tensor:
         """BertLayer.forward for the queries at position 0 ([B, S, H] -> [B, 1, H]) or, given rows [B, R], at
         those positions ([B, S, H] -> [B, R, H])."""
+        from accel.compiler.fused_qkv import fused_projections, runs_fused  # it imports this module
+
         layer = self.layer
         attn = layer.attention.self
         batch, length = hidden_states.shape[:2]
         picked = hidden_states[:, :1] if rows is None else _take_rows(hidden_states, rows)
         head = attn.attention_head_size
-        from accel.compiler.fused_qkv import fused_projections, runs_fused  # it imports this module
-
         query = attn.query(picked).view(batch, picked.shape[1], -1, head).transpose(1, 2)
         if runs_fused(attn):
             key, value = fused_projections(attn, hidden_states, ("key", "value"))
@@ -109,9 +109,7 @@ class _LastLayerForward:
             else:
                 index = rows[:, None, :, None].expand(-1, attention_mask.shape[1], -1, attention_mask.shape[-1])
                 attention_mask = attention_mask.gather(2, index)
-        context, _ = attention_function(attn)(attn, query, key, value, attention_mask,
-                                              dropout=attn.dropout.p if attn.training else 0.0,
-                                              scaling=attn.scaling, **kwargs)
+        context, _ = attend(attn, query, key, value, attention_mask, **kwargs)
         context = context.reshape(batch, picked.shape[1], -1).contiguous()
         return layer.feed_forward_chunk(layer.attention.output(context, picked))
 
@@ -141,6 +139,15 @@ def attention_function(attn: nn.Module):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     return ALL_ATTENTION_FUNCTIONS[implementation] if implementation in ALL_ATTENTION_FUNCTIONS else None
+
+
+def attend(attn: nn.Module, query, key, value, attention_mask, **kwargs):
+    """What a BertSelfAttention-like module does after its projections: its model's attention function over
+    [B, heads, L, D] queries, keys and values, with the module's dropout (while training) and scaling.
+    Returns (context [B, Lq, heads, D], attention weights or None)."""
+    return attention_function(attn)(attn, query, key, value, attention_mask,
+                                    dropout=attn.dropout.p if attn.training else 0.0, scaling=attn.scaling,
+                                    **kwargs)
 
 
 def _cuttable(mask) -> bool:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accel.compiler.first_token import attention_function
+from accel.compiler.first_token import attend, attention_function
 from accel.utils.transformers_models import is_transformers_model
 
 _PROJECTIONS = ("query", "key", "value")
@@ -47,9 +47,7 @@ class _FusedQKVForward:
             return type(attn).forward(attn, hidden_states, attention_mask, *args, **kwargs)
         kwargs = {k: v for k, v in kwargs.items() if k not in _OWN_FORWARD_KWARGS}
         query, key, value = fused_projections(attn, hidden_states)
-        output, weights = attention_function(attn)(
-            attn, query, key, value, attention_mask,
-            dropout=attn.dropout.p if attn.training else 0.0, scaling=attn.scaling, **kwargs)
+        output, weights = attend(attn, query, key, value, attention_mask, **kwargs)
         return output.reshape(*hidden_states.shape[:-1], -1).contiguous(), weights
 
 
