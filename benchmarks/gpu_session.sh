@@ -24,6 +24,10 @@
 # multi_stream  benchmarks/multi_stream.py                 -> $OUT/multi_stream.log, multi_stream.json/png
 # host_cost     benchmarks/host_cost.py --device cuda      -> $OUT/host_cost.log, host_cost_cuda.json/png
 # kernels       benchmarks/kernels.py --device cuda        -> $OUT/kernels.log, kernels_cuda.json/png
+# kernels_base  the same from $BASELINE_TREE, an earlier commit's tree (made before the call by
+#               `mkdir _baseline && git archive REV accel csrc benchmarks | tar -x -C _baseline`; untracked,
+#               so the device tool carries it): a kernel change and the code it replaces measured on one
+#               machine in one call, with no switch in the library -> $OUT/kernels_base.log, base/kernels_cuda.json
 # The result files this session writes in benchmarks/results/ are copied to $OUT. A failing step does not
 # stop the next; $OUT/exit_codes.txt has "<step> <exit status> <seconds>" per step (124: timed out) and
 # the script exits 1 when any step failed. A call fits 10 minutes of wall clock (GPU_SESSION_S): each step's
@@ -46,11 +50,12 @@ FAILED=0
 
 # The least each step needs when it runs after others (seconds).
 declare -A RESERVE=([env]=0 [build]=60 [crash_bt]=60 [pytest]=120 [bert_base]=260 [step_profile]=100
-                    [multi_stream]=40 [host_cost]=30 [kernels]=60)
-ORDER=(env build crash_bt pytest bert_base step_profile multi_stream host_cost kernels)
+                    [multi_stream]=40 [host_cost]=30 [kernels]=60 [kernels_base]=90)
+ORDER=(env build crash_bt pytest bert_base step_profile multi_stream host_cost kernels kernels_base)
 DEFAULT_STEPS=" ${ORDER[*]} "
 DEFAULT_STEPS=${DEFAULT_STEPS/ crash_bt / }
-STEPS="${STEPS:-$DEFAULT_STEPS}"  # crash_bt only when named
+DEFAULT_STEPS=${DEFAULT_STEPS/ kernels_base / }
+STEPS="${STEPS:-$DEFAULT_STEPS}"  # crash_bt and kernels_base only when named
 for name in $STEPS; do
   [[ -v "RESERVE[$name]" ]] || { echo "STEPS: unknown step '$name' (known: ${ORDER[*]})" >&2; exit 2; }
 done
@@ -168,6 +173,15 @@ if want kernels; then
   step kernels "$KERNELS_S" "$PY" benchmarks/kernels.py --device cuda \
     --budget-s $(( KERNELS_S > 80 ? KERNELS_S - 40 : 40 )) ${KERNELS_ARGS:-}
   collect_results
+fi
+if want kernels_base; then
+  : "${BASELINE_TREE:?kernels_base: set BASELINE_TREE to a folder holding an earlier tree (accel, csrc, benchmarks)}"
+  KERNELS_S=$(budget kernels_base 300)
+  mkdir -p "$OUT/base"
+  # the baseline's kernels.py puts its own tree first on sys.path; its kernels build under their own fingerprint
+  # shellcheck disable=SC2086  # KERNELS_ARGS is a list of words
+  PYTHONPATH="$BASELINE_TREE" step kernels_base "$KERNELS_S" "$PY" "$BASELINE_TREE/benchmarks/kernels.py" --device cuda \
+    --budget-s $(( KERNELS_S > 120 ? KERNELS_S - 60 : 60 )) --results-dir "$OUT/base" ${KERNELS_ARGS:-}
 fi
 
 echo "== done in $(( SECONDS - START ))s; exit codes:"

@@ -2,7 +2,8 @@
 //
 // x is [M, N] (rows x normalized size). Forward and dx: a team of `tpr` threads per row, tpr a
 // power of two from 32 (one warp per row, several rows per block: small and medium N) up to 1024
-// (one block per row: large N), so no thread handles more than a few dozen elements. A team
+// (one block per row: large N), so no thread handles more than a few dozen elements (the forward holds up to
+// four vectors a thread in registers, kFwdVectors, and reads x once when the team fits 512 threads). A team
 // reduces with warp shuffles and, when wider than a warp, through shared memory. Statistics are
 // in float (double for float64 x): shifted sums per thread, merged across threads as Welford states
 // (a row whose sums overflow, |x| around 1e19 and beyond in float, is redone on exactly scaled
@@ -10,8 +11,9 @@
 //
 // Backward, rows of up to 16 elements per thread of a 512-thread team (N <= 8192; 4096 in double): one
 // pass over x and dy. Each team keeps its part of the row in registers for dx and adds dy*xhat and dy
-// into per-thread dweight/dbias sums over all the rows it takes; a block then writes one fp32 row of
-// partial sums, and column_sum.cuh sums those rows in a fixed order (deterministic, no atomics).
+// into per-thread dweight/dbias sums over all the rows it takes (16-bit rows: loading the team's next row
+// while it works on this one); a block then writes one fp32 row of partial sums, and column_sum.cuh sums
+// those rows in a fixed order (deterministic, no atomics).
 // Wider rows take two sweeps: the dx kernel, then per row-chunk partials of dweight/dbias.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -139,36 +141,59 @@ struct ShiftScale {
   __device__ __forceinline__ acc_t operator()(T v) const { return (static_cast<acc_t>(v) - x0) * s; }
 };
 
+// Vectors of a row a forward thread holds in registers (launch_for gives a thread at most this many unless
+// rows are wider than kMaxTeam * kFwdVectors vectors), for teams of up to kHeldMaxTeam threads (whose
+// launch bound leaves 128 registers a thread: bf16 and double spill at 64). All of a thread's loads are
+// issued before the first is used, and the row is read once: statistics and output from the same registers.
+// (Looping over memory instead, a thread's last count % 4 loads are serial: a bf16 row of 768 took three
+// round trips, at 51% of copy bandwidth on an H200.) Wider rows loop over memory.
+constexpr int kFwdVectors = 4;
+constexpr int kHeldMaxTeam = 512;
+
 // One thread's (count, mean, M2) of f(x) over the vectors lane, lane + tpr, ... of a row (lane < nvec),
 // its mean as an offset from `base`: sums of (f(x) - shift) and its square, shifted by one of the thread's
 // own values so that the one-pass variance does not cancel for rows far from zero; one division per
 // thread (a per-element Welford update costs a division per element, too slow for bf16 rows).
-template <typename acc_t, typename T, int VEC, typename F>
-__device__ __forceinline__ Welford<acc_t> thread_welford(const Pack<T, VEC>* xr, int lane, int64_t nvec, int tpr,
-                                                         acc_t base, F f) {
-  const acc_t shift = f(xr[lane].v[0]);
+// The thread's vectors come from `held` (registers, HELD: count <= kFwdVectors, indexed by constants only)
+// or from the row in memory, `xr` (vectors lane + j * tpr).
+template <typename acc_t, bool HELD, typename T, int VEC, typename F>
+__device__ __forceinline__ Welford<acc_t> thread_welford(const Pack<T, VEC>* held, const Pack<T, VEC>* xr, int lane,
+                                                         int tpr, int64_t count, acc_t base, F f) {
+  const acc_t shift = f((HELD ? held[0] : xr[lane]).v[0]);
   acc_t s1 = 0, s2 = 0;
-  int64_t cnt = 0;
-  for (int64_t v = lane; v < nvec; v += tpr) {
-    const Pack<T, VEC> p = xr[v];
+  const auto add = [&](const Pack<T, VEC>& p) {
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
       const acc_t d = f(p.v[k]) - shift;
       s1 += d;
       s2 += d * d;
     }
-    cnt += VEC;
+  };
+  if constexpr (HELD) {
+#pragma unroll
+    for (int j = 0; j < kFwdVectors; ++j)
+      if (j < count) add(held[j]);
+  } else {
+    for (int64_t j = 0; j < count; ++j) add(xr[lane + j * tpr]);
   }
-  const acc_t n = static_cast<acc_t>(cnt);
+  const acc_t n = static_cast<acc_t>(count * VEC);
   const acc_t dm = s1 / n;
   return {(shift - base) + dm, max(s2 - s1 * dm, acc_t(0)), n};
 }
 
+// The vectors of a thread in a row, lane + j * tpr for j < count (count < 1 when lane >= nvec).
+__device__ __forceinline__ int64_t vectors_of(int lane, int64_t nvec, int tpr) {
+  return lane < nvec ? (nvec - 1 - lane) / tpr + 1 : 0;
+}
+
 // grid-stride over groups of rows so that every thread of a block runs the same number of
 // iterations (team_allreduce syncs the block when a team spans several warps).
-// launch bounds: teams of up to 1024 threads must fit the register file (<= 64 per thread)
-template <typename T, typename P, int VEC>
-__global__ void __launch_bounds__(kMaxTeam) layer_norm_fwd_kernel(const T* __restrict__ x, const P* __restrict__ w, const P* __restrict__ b,
+// launch bounds: teams of up to 1024 threads must fit the register file (<= 64 per thread; HELD: 512, 128)
+// Assumptions: blockDim.x = tpr * rows per block, tpr a power of two in [32, 1024]; VEC elements per access,
+// N % VEC == 0 and every pointer aligned to a whole vector; HELD: tpr <= kHeldMaxTeam and nvec <= tpr *
+// kFwdVectors; any grid.
+template <typename T, typename P, int VEC, bool HELD>
+__global__ void __launch_bounds__(HELD ? kHeldMaxTeam : kMaxTeam) layer_norm_fwd_kernel(const T* __restrict__ x, const P* __restrict__ w, const P* __restrict__ b,
                                       T* __restrict__ y, typename AccOf<T>::type* __restrict__ mean_out,
                                       typename AccOf<T>::type* __restrict__ rstd_out, int64_t M, int64_t N,
                                       typename AccOf<T>::type eps, int tpr) {
@@ -177,17 +202,26 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_fwd_kernel(const T* __res
   const int rpb = blockDim.x / tpr;
   const int lane = threadIdx.x % tpr;
   const int64_t nvec = N / VEC;
+  const int64_t mine = vectors_of(lane, nvec, tpr);
   for (int64_t base = (int64_t)blockIdx.x * rpb; base < M; base += (int64_t)gridDim.x * rpb) {
     const int64_t row = base + threadIdx.x / tpr;
     const bool valid = row < M;
     const Pack<T, VEC>* xr = reinterpret_cast<const Pack<T, VEC>*>(x + (valid ? row : 0) * N);
+    Pack<T, VEC> px[HELD ? kFwdVectors : 1];
+    if constexpr (HELD) {
+#pragma unroll
+      for (int j = 0; j < kFwdVectors; ++j)
+        if (valid && j < mine) px[j] = xr[lane + j * tpr];
+    }
     // Per thread: Welford states of the thread's elements (thread_welford). Threads then merge
     // (count, mean, M2) exactly (Chan et al.). Means travel as offsets from one shift shared by the
     // row (its first element): carried as absolute values, a row with mean 1000 would be rounded at
     // ulp(1000) in every merge and drift by ~1e-4 over a 1024-thread team.
     const acc_t row_shift = valid ? static_cast<acc_t>(x[row * N]) : acc_t(0);
     Welford<acc_t> st{acc_t(0), acc_t(0), acc_t(0)};
-    if (valid && lane < nvec) st = thread_welford<acc_t>(xr, lane, nvec, tpr, row_shift, Plain<acc_t>{});
+    if (valid && mine > 0) {
+      st = thread_welford<acc_t, HELD>(px, xr, lane, tpr, mine, row_shift, Plain<acc_t>{});
+    }
     st = team_allreduce(st, smem, tpr);
     acc_t mu = row_shift + st.mean;
     acc_t rs = rsqrt_(st.m2 / static_cast<acc_t>(N) + eps);
@@ -208,8 +242,8 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_fwd_kernel(const T* __res
     if (redo) {
       const acc_t sc = overflow_scale(acc_t(0));
       Welford<acc_t> su{acc_t(0), acc_t(0), acc_t(0)};
-      if (valid && lane < nvec)
-        su = thread_welford<acc_t>(xr, lane, nvec, tpr, acc_t(0), ShiftScale<acc_t>{row_shift, sc});
+      if (valid && mine > 0)  // rare: read again from memory
+        su = thread_welford<acc_t, false>(px, xr, lane, tpr, mine, acc_t(0), ShiftScale<acc_t>{row_shift, sc});
       su = team_allreduce(su, smem, tpr);
       if (overflow) {
         mu = row_shift + su.mean / sc;
@@ -224,8 +258,8 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_fwd_kernel(const T* __res
     Pack<T, VEC>* yr = reinterpret_cast<Pack<T, VEC>*>(y + row * N);
     const Pack<P, VEC>* wv = reinterpret_cast<const Pack<P, VEC>*>(w);
     const Pack<P, VEC>* bv = reinterpret_cast<const Pack<P, VEC>*>(b);
-    for (int64_t v = lane; v < nvec; v += tpr) {
-      const Pack<T, VEC> p = xr[v];
+    const auto write = [&](int64_t j, const Pack<T, VEC>& p) {
+      const int64_t v = lane + j * tpr;
       Pack<P, VEC> pw, pb;
       if (w != nullptr) pw = wv[v];
       if (b != nullptr) pb = bv[v];
@@ -238,6 +272,13 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_fwd_kernel(const T* __res
         out.v[k] = static_cast<T>(o);
       }
       yr[v] = out;
+    };
+    if constexpr (HELD) {
+#pragma unroll
+      for (int j = 0; j < kFwdVectors; ++j)
+        if (j < mine) write(j, px[j]);
+    } else {
+      for (int64_t j = 0; j < mine; ++j) write(j, xr[lane + j * tpr]);
     }
   }
 }
@@ -328,6 +369,28 @@ constexpr int fused_vectors() {
   return (sizeof(typename AccOf<T>::type) == 8 ? 8 : 16) / VEC;
 }
 
+// A thread's vectors lane + j * tpr of row `row` of x and dy, and the row's statistics; nothing for a row
+// past M or a vector past the row's end. The loads are all issued before any is used.
+template <typename T, int VEC, int VPT, typename acc_t>
+__device__ __forceinline__ void load_row(const T* __restrict__ x, const T* __restrict__ dy, const acc_t* __restrict__ mean,
+                                         const acc_t* __restrict__ rstd, int64_t row, int64_t M, int64_t N, int lane,
+                                         int tpr, Pack<T, VEC> (&px)[VPT], Pack<T, VEC> (&pg)[VPT], acc_t& mu, acc_t& rs) {
+  if (row >= M) return;
+  const Pack<T, VEC>* xr = reinterpret_cast<const Pack<T, VEC>*>(x + row * N);
+  const Pack<T, VEC>* gr = reinterpret_cast<const Pack<T, VEC>*>(dy + row * N);
+  const int64_t nvec = N / VEC;
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    const int64_t v = lane + (int64_t)j * tpr;
+    if (v < nvec) {
+      px[j] = xr[v];
+      pg[j] = gr[v];
+    }
+  }
+  mu = mean[row];
+  rs = rstd[row];
+}
+
 // Assumptions: blockDim.x = tpr * rows per block, tpr a multiple of 32 with tpr * VPT >= N / VEC and
 // blockDim.x <= kFusedMaxThreads; VEC elements per access, N % VEC == 0 and every pointer aligned to a whole
 // vector; any grid (team t of block b takes rows b * rows per block + t, then every gridDim.x * rows per block
@@ -345,39 +408,51 @@ __global__ void __launch_bounds__(kFusedMaxThreads) layer_norm_bwd_fused_kernel(
   const int lane = threadIdx.x % tpr;
   const int64_t nvec = N / VEC;
   const bool params = partial != nullptr;
-  // A thread's vectors are lane + j * tpr, the same in every row: its weights are loaded once.
+  // 16-bit rows take half the registers of float ones: there the next row's loads are issued before this
+  // row's reduction (two rows in flight, as many bytes as a float row), else a thread's bf16 loads are too
+  // few to cover the memory latency (45-53% of copy bandwidth on an H200 for rows of 768 to 8192).
+  constexpr bool kAhead = VEC > 1 && sizeof(T) == 2;
+  // A thread's vectors are lane + j * tpr, the same in every row: its weights are loaded once, or with
+  // kAhead (whose registers hold the next row) read again where used, from L1.
+  const Pack<P, VEC>* wv = reinterpret_cast<const Pack<P, VEC>*>(w);
   Pack<P, VEC> pw[VPT];
+  if constexpr (!kAhead) {
 #pragma unroll
-  for (int j = 0; j < VPT; ++j)
-    if (w != nullptr && lane + (int64_t)j * tpr < nvec) pw[j] = reinterpret_cast<const Pack<P, VEC>*>(w)[lane + j * tpr];
+    for (int j = 0; j < VPT; ++j)
+      if (w != nullptr && lane + (int64_t)j * tpr < nvec) pw[j] = wv[lane + j * tpr];
+  }
+  const auto weights = [&](int j) {
+    if constexpr (kAhead) {
+      Pack<P, VEC> p;
+      if (w != nullptr) p = wv[lane + j * tpr];
+      return p;
+    } else {
+      return pw[j];
+    }
+  };
   acc_t dw[VPT][VEC], db[VPT][VEC];
 #pragma unroll
   for (int j = 0; j < VPT; ++j)
 #pragma unroll
     for (int k = 0; k < VEC; ++k) dw[j][k] = db[j][k] = acc_t(0);
   const acc_t inv_n = acc_t(1) / static_cast<acc_t>(N);
-  for (int64_t base = (int64_t)blockIdx.x * rpb; base < M; base += (int64_t)gridDim.x * rpb) {
+  const int64_t stride = (int64_t)gridDim.x * rpb;
+  Pack<T, VEC> px[VPT], pg[VPT];
+  acc_t mu = 0, rs = 0;
+  if constexpr (kAhead) load_row(x, dy, mean, rstd, (int64_t)blockIdx.x * rpb + team, M, N, lane, tpr, px, pg, mu, rs);
+  for (int64_t base = (int64_t)blockIdx.x * rpb; base < M; base += stride) {
     const int64_t row = base + team;
     const bool valid = row < M;
-    const int64_t r = valid ? row : 0;
-    const Pack<T, VEC>* xr = reinterpret_cast<const Pack<T, VEC>*>(x + r * N);
-    const Pack<T, VEC>* gr = reinterpret_cast<const Pack<T, VEC>*>(dy + r * N);
-    const acc_t mu = mean[r], rs = rstd[r];
-    Pack<T, VEC> px[VPT], pg[VPT];
-#pragma unroll
-    for (int j = 0; j < VPT; ++j) {  // all loads first: they are in flight together
-      const int64_t v = lane + (int64_t)j * tpr;
-      if (valid && v < nvec) {
-        px[j] = xr[v];
-        pg[j] = gr[v];
-      }
-    }
+    Pack<T, VEC> nx[kAhead ? VPT : 1], ng[kAhead ? VPT : 1];
+    acc_t nmu = 0, nrs = 0;
+    if constexpr (kAhead) load_row(x, dy, mean, rstd, row + stride, M, N, lane, tpr, nx, ng, nmu, nrs);
+    else load_row(x, dy, mean, rstd, row, M, N, lane, tpr, px, pg, mu, rs);
     Sums<acc_t> s{acc_t(0), acc_t(0)};
 #pragma unroll
     for (int j = 0; j < VPT; ++j)
-      if (valid && lane + (int64_t)j * tpr < nvec) add_row_sums(px[j], pg[j], pw[j], w, mu, rs, s);
+      if (valid && lane + (int64_t)j * tpr < nvec) add_row_sums(px[j], pg[j], weights(j), w, mu, rs, s);
     s = team_allreduce(s, smem, tpr);
-    if (!valid) continue;
+    if (!valid) continue;  // past the last row: the last iteration
     const acc_t a = s.a * inv_n;
     const acc_t bsum = s.b * inv_n;
     Pack<T, VEC>* dxr = reinterpret_cast<Pack<T, VEC>*>(dx + row * N);
@@ -385,7 +460,7 @@ __global__ void __launch_bounds__(kFusedMaxThreads) layer_norm_bwd_fused_kernel(
     for (int j = 0; j < VPT; ++j) {
       const int64_t v = lane + (int64_t)j * tpr;
       if (v >= nvec) continue;
-      dxr[v] = dx_vector(px[j], pg[j], pw[j], w, mu, rs, a, bsum);
+      dxr[v] = dx_vector(px[j], pg[j], weights(j), w, mu, rs, a, bsum);
       if (!params) continue;
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
@@ -393,6 +468,15 @@ __global__ void __launch_bounds__(kFusedMaxThreads) layer_norm_bwd_fused_kernel(
         dw[j][k] += g * ((static_cast<acc_t>(px[j].v[k]) - mu) * rs);  // dy * xhat: finite for huge x
         db[j][k] += g;
       }
+    }
+    if constexpr (kAhead) {
+#pragma unroll
+      for (int j = 0; j < VPT; ++j) {
+        px[j] = nx[j];
+        pg[j] = ng[j];
+      }
+      mu = nmu;
+      rs = nrs;
     }
   }
   if (!params) return;
@@ -459,7 +543,7 @@ __global__ void layer_norm_bwd_params_partial_kernel(const T* __restrict__ dy, c
 
 inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-// Team width: the smallest power of two >= 32 with at most 8 vectors per thread, capped at a block.
+// Team width: the smallest power of two >= 32 with at most kFwdVectors vectors per thread, capped at a block.
 struct Launch {
   int tpr;
   int threads;
@@ -468,7 +552,7 @@ struct Launch {
 
 Launch launch_for(int64_t M, int64_t N, int vec) {
   int tpr = kWarp;
-  while (tpr < kMaxTeam && (int64_t)tpr * vec * 8 < N) tpr *= 2;
+  while (tpr < kMaxTeam && (int64_t)tpr * vec * kFwdVectors < N) tpr *= 2;
   const int rpb = std::max(1, 128 / tpr);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want = (M + rpb - 1) / rpb;
@@ -497,13 +581,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cuda(
                         (d.b == nullptr || aligned(d.b, sizeof(P) * VEC));
     const Launch l = launch_for(M, N, vec_ok ? VEC : 1);
     auto stream = at::cuda::getCurrentCUDAStream();
-    if (vec_ok) {
-      layer_norm_fwd_kernel<T, P, VEC><<<l.blocks, l.threads, 0, stream>>>(
-          d.x, d.w, d.b, d.y, d.mean, d.rstd, M, N, static_cast<acc_t>(eps), l.tpr);
-    } else {
-      layer_norm_fwd_kernel<T, P, 1><<<l.blocks, l.threads, 0, stream>>>(
-          d.x, d.w, d.b, d.y, d.mean, d.rstd, M, N, static_cast<acc_t>(eps), l.tpr);
-    }
+    const auto run = [&](auto kernel) {
+      kernel<<<l.blocks, l.threads, 0, stream>>>(d.x, d.w, d.b, d.y, d.mean, d.rstd, M, N, static_cast<acc_t>(eps),
+                                                  l.tpr);
+    };
+    const bool held = l.tpr <= kHeldMaxTeam && N / (vec_ok ? VEC : 1) <= (int64_t)l.tpr * kFwdVectors;
+    if (vec_ok && held) run(layer_norm_fwd_kernel<T, P, VEC, true>);
+    else if (vec_ok) run(layer_norm_fwd_kernel<T, P, VEC, false>);
+    else if (held) run(layer_norm_fwd_kernel<T, P, 1, true>);
+    else run(layer_norm_fwd_kernel<T, P, 1, false>);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {f.y, f.mean, f.rstd};

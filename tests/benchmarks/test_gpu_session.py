@@ -72,6 +72,19 @@ def test_crash_bt_runs_the_named_tests_under_a_debugger_and_only_when_asked(tmp_
     assert proc.returncode != 0 and "set CRASH_TESTS" in proc.stderr
 
 
+def test_kernels_base_runs_the_baseline_tree_s_kernels_py_only_when_asked(tmp_path):
+    base = tmp_path / "base_tree"
+    proc, out = _session(tmp_path, "kernels kernels_base", BASELINE_TREE=str(base), KERNELS_ARGS="--ops layer_norm")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _steps_run(out) == ["kernels", "kernels_base"]
+    args = (out / "kernels_base.log").read_text().split()
+    assert args[0] == f"{base}/benchmarks/kernels.py"  # the baseline's script, so its own tree comes first
+    assert args[args.index("--results-dir") + 1] == str(out / "base")  # not the current tree's results
+    assert args[args.index("--ops") + 1] == "layer_norm" and "--budget-s" in args
+    proc, _ = _session(tmp_path, "kernels_base")
+    assert proc.returncode != 0 and "set BASELINE_TREE" in proc.stderr
+
+
 def test_every_step_by_default_and_unknown_steps_refused(tmp_path):
     proc, out = _session(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
