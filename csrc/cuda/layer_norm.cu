@@ -193,10 +193,11 @@ __device__ __forceinline__ int64_t vectors_of(int lane, int64_t nvec, int tpr) {
 // N % VEC == 0 and every pointer aligned to a whole vector; HELD: tpr <= kHeldMaxTeam and nvec <= tpr *
 // kFwdVectors; any grid.
 template <typename T, typename P, int VEC, bool HELD>
-__global__ void __launch_bounds__(HELD ? kHeldMaxTeam : kMaxTeam) layer_norm_fwd_kernel(const T* __restrict__ x, const P* __restrict__ w, const P* __restrict__ b,
-                                      T* __restrict__ y, typename AccOf<T>::type* __restrict__ mean_out,
-                                      typename AccOf<T>::type* __restrict__ rstd_out, int64_t M, int64_t N,
-                                      typename AccOf<T>::type eps, int tpr) {
+__global__ void __launch_bounds__(HELD ? kHeldMaxTeam : kMaxTeam)
+    layer_norm_fwd_kernel(const T* __restrict__ x, const P* __restrict__ w, const P* __restrict__ b, T* __restrict__ y,
+                          typename AccOf<T>::type* __restrict__ mean_out,
+                          typename AccOf<T>::type* __restrict__ rstd_out, int64_t M, int64_t N,
+                          typename AccOf<T>::type eps, int tpr) {
   using acc_t = typename AccOf<T>::type;
   __shared__ Welford<acc_t> smem[kMaxTeam / kWarp];
   const int rpb = blockDim.x / tpr;
@@ -243,7 +244,8 @@ __global__ void __launch_bounds__(HELD ? kHeldMaxTeam : kMaxTeam) layer_norm_fwd
       const acc_t sc = overflow_scale(acc_t(0));
       Welford<acc_t> su{acc_t(0), acc_t(0), acc_t(0)};
       if (valid && mine > 0)  // rare: read again from memory
-        su = thread_welford<acc_t, false>(px, xr, lane, tpr, mine, acc_t(0), ShiftScale<acc_t>{row_shift, sc});
+        su = thread_welford<acc_t, false>(px, xr, lane, tpr, mine, acc_t(0),
+                                          ShiftScale<acc_t>{row_shift, sc});
       su = team_allreduce(su, smem, tpr);
       if (overflow) {
         mu = row_shift + su.mean / sc;
@@ -372,9 +374,10 @@ constexpr int fused_vectors() {
 // A thread's vectors lane + j * tpr of row `row` of x and dy, and the row's statistics; nothing for a row
 // past M or a vector past the row's end. The loads are all issued before any is used.
 template <typename T, int VEC, int VPT, typename acc_t>
-__device__ __forceinline__ void load_row(const T* __restrict__ x, const T* __restrict__ dy, const acc_t* __restrict__ mean,
-                                         const acc_t* __restrict__ rstd, int64_t row, int64_t M, int64_t N, int lane,
-                                         int tpr, Pack<T, VEC> (&px)[VPT], Pack<T, VEC> (&pg)[VPT], acc_t& mu, acc_t& rs) {
+__device__ __forceinline__ void load_row(const T* __restrict__ x, const T* __restrict__ dy,
+                                         const acc_t* __restrict__ mean, const acc_t* __restrict__ rstd, int64_t row,
+                                         int64_t M, int64_t N, int lane, int tpr, Pack<T, VEC> (&px)[VPT],
+                                         Pack<T, VEC> (&pg)[VPT], acc_t& mu, acc_t& rs) {
   if (row >= M) return;
   const Pack<T, VEC>* xr = reinterpret_cast<const Pack<T, VEC>*>(x + row * N);
   const Pack<T, VEC>* gr = reinterpret_cast<const Pack<T, VEC>*>(dy + row * N);
@@ -439,7 +442,8 @@ __global__ void __launch_bounds__(kFusedMaxThreads) layer_norm_bwd_fused_kernel(
   const int64_t stride = (int64_t)gridDim.x * rpb;
   Pack<T, VEC> px[VPT], pg[VPT];
   acc_t mu = 0, rs = 0;
-  if constexpr (kAhead) load_row(x, dy, mean, rstd, (int64_t)blockIdx.x * rpb + team, M, N, lane, tpr, px, pg, mu, rs);
+  if constexpr (kAhead)
+    load_row(x, dy, mean, rstd, (int64_t)blockIdx.x * rpb + team, M, N, lane, tpr, px, pg, mu, rs);
   for (int64_t base = (int64_t)blockIdx.x * rpb; base < M; base += stride) {
     const int64_t row = base + team;
     const bool valid = row < M;
