@@ -17,6 +17,7 @@
 # STEPS picks steps by name, in the order below; the default is all of them:
 # env     environment (nvidia-smi, versions)              -> $OUT/env.log
 # build   every kernel in csrc/ built, 7 in parallel       -> $OUT/build_<op>.log (cache: $ACCEL_EXT_DIR under /root)
+#         (and $BASELINE_TREE's, when set, beside them     -> $OUT/build_base_<op>.log)
 # crash_bt  $CRASH_TESTS (node ids) under cuda-gdb, only when named -> $OUT/crash_bt.log (native backtrace)
 # pytest  the GPU-relevant tests, pytest -n 16 -v          -> $OUT/pytest.log
 # bert_base     benchmarks/bert_base.py ($BERT_ARGS)       -> $OUT/bert_base.log, bert_base_cuda.json/png
@@ -93,19 +94,24 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it under a timeout, output in $O
   record "$name" $? $(( SECONDS - t0 ))
 }
 
-build_kernels() {  # build_kernels TIMEOUT_S: one process per op, all at once (each op is its own extension)
-  local limit=$1 t0=$SECONDS pids=() ops=() op i
-  for src in csrc/cpu/*.cpp; do
-    op=$(basename "$src" .cpp)
-    ops+=("$op")
-    timeout --kill-after=10 "$limit" "$PY" -c "from accel.runtime import _build; _build.load('$op')" \
-      > "$OUT/build_$op.log" 2>&1 &
-    pids+=($!)
+build_kernels() {  # build_kernels TIMEOUT_S: one process per op, all at once (each op is its own extension),
+  # and those of $BASELINE_TREE too when it is set (for kernels_base, a later call on the warm machine)
+  local limit=$1 t0=$SECONDS pids=() names=() op i tree prefix
+  for tree in . ${BASELINE_TREE:+"$BASELINE_TREE"}; do
+    prefix=build_
+    [[ $tree == . ]] || prefix=build_base_
+    for src in "$tree"/csrc/cpu/*.cpp; do
+      op=$(basename "$src" .cpp)
+      names+=("$prefix$op")
+      PYTHONPATH="$tree:$PYTHONPATH" timeout --kill-after=10 "$limit" \
+        "$PY" -c "from accel.runtime import _build; _build.load('$op')" > "$OUT/$prefix$op.log" 2>&1 &
+      pids+=($!)
+    done
   done
-  echo "== build ${ops[*]} (timeout ${limit}s)"
+  echo "== build ${names[*]} (timeout ${limit}s)"
   for i in "${!pids[@]}"; do
     wait "${pids[$i]}"
-    record "build_${ops[$i]}" $? $(( SECONDS - t0 ))
+    record "${names[$i]}" $? $(( SECONDS - t0 ))
   done
 }
 
@@ -180,7 +186,7 @@ if want kernels_base; then
   mkdir -p "$OUT/base"
   # the baseline's kernels.py puts its own tree first on sys.path; its kernels build under their own fingerprint
   # shellcheck disable=SC2086  # KERNELS_ARGS is a list of words
-  PYTHONPATH="$BASELINE_TREE" step kernels_base "$KERNELS_S" "$PY" "$BASELINE_TREE/benchmarks/kernels.py" --device cuda \
+  PYTHONPATH="$BASELINE_TREE:$PYTHONPATH" step kernels_base "$KERNELS_S" "$PY" "$BASELINE_TREE/benchmarks/kernels.py" --device cuda \
     --budget-s $(( KERNELS_S > 120 ? KERNELS_S - 60 : 60 )) --results-dir "$OUT/base" ${KERNELS_ARGS:-}
 fi
 

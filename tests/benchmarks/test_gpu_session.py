@@ -85,6 +85,17 @@ def test_kernels_base_runs_the_baseline_tree_s_kernels_py_only_when_asked(tmp_pa
     assert proc.returncode != 0 and "set BASELINE_TREE" in proc.stderr
 
 
+def test_build_also_builds_the_baseline_tree_when_one_is_given(tmp_path):
+    base = tmp_path / "base_tree"
+    (base / "csrc" / "cpu").mkdir(parents=True)
+    (base / "csrc" / "cpu" / "old_op.cpp").write_text("")  # the baseline's ops, not the current tree's
+    proc, out = _session(tmp_path, "build", BASELINE_TREE=str(base))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ops = sorted(p.stem for p in (ROOT / "csrc" / "cpu").glob("*.cpp"))
+    assert _steps_run(out) == [f"build_{op}" for op in ops] + ["build_base_old_op"]
+    assert "_build.load('old_op')" in (out / "build_base_old_op.log").read_text()
+
+
 def test_every_step_by_default_and_unknown_steps_refused(tmp_path):
     proc, out = _session(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
