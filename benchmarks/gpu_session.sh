@@ -26,9 +26,10 @@
 # host_cost     benchmarks/host_cost.py --device cuda      -> $OUT/host_cost.log, host_cost_cuda.json/png
 # kernels       benchmarks/kernels.py --device cuda        -> $OUT/kernels.log, kernels_cuda.json/png
 # kernels_base  the same from $BASELINE_TREE, an earlier commit's tree (made before the call by
-#               `mkdir _baseline && git archive REV accel csrc benchmarks | tar -x -C _baseline`; untracked,
-#               so the device tool carries it): a kernel change and the code it replaces measured on one
-#               machine in one call, with no switch in the library -> $OUT/kernels_base.log, base/kernels_cuda.json
+#               `mkdir _baseline && git archive REV accel csrc benchmarks/*.py benchmarks/kernel_cases |
+#               tar -x -C _baseline`; git ignores _baseline/, so name it in the device tool's `carry`): a kernel
+#               change and the code it replaces measured on one machine in one call, with no switch in the
+#               library -> $OUT/kernels_base.log, base/kernels_cuda.json
 # The result files this session writes in benchmarks/results/ are copied to $OUT. A failing step does not
 # stop the next; $OUT/exit_codes.txt has "<step> <exit status> <seconds>" per step (124: timed out) and
 # the script exits 1 when any step failed. A call fits 10 minutes of wall clock (GPU_SESSION_S): each step's
