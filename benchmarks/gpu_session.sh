@@ -29,7 +29,8 @@
 #               `mkdir _baseline && git archive REV accel csrc benchmarks/*.py benchmarks/kernel_cases |
 #               tar -x -C _baseline`; git ignores _baseline/, so name it in the device tool's `carry`): a kernel
 #               change and the code it replaces measured on one machine in one call, with no switch in the
-#               library -> $OUT/kernels_base.log, base/kernels_cuda.json
+#               library -> $OUT/kernels_base.log, base/kernels_cuda.json; with the kernels step's result
+#               beside it, benchmarks/kernels_ab.py's table of the two -> $OUT/kernels_ab.log, kernels_ab_cuda.json/png
 # The result files this session writes in benchmarks/results/ are copied to $OUT. A failing step does not
 # stop the next; $OUT/exit_codes.txt has "<step> <exit status> <seconds>" per step (124: timed out) and
 # the script exits 1 when any step failed. A call fits 10 minutes of wall clock (GPU_SESSION_S): each step's
@@ -189,6 +190,10 @@ if want kernels_base; then
   # shellcheck disable=SC2086  # KERNELS_ARGS is a list of words
   PYTHONPATH="$BASELINE_TREE:$PYTHONPATH" step kernels_base "$KERNELS_S" "$PY" "$BASELINE_TREE/benchmarks/kernels.py" --device cuda \
     --budget-s $(( KERNELS_S > 120 ? KERNELS_S - 60 : 60 )) --results-dir "$OUT/base" ${KERNELS_ARGS:-}
+  if [[ -f benchmarks/results/kernels_cuda.json && -f $OUT/base/kernels_cuda.json ]]; then  # the A/B table
+    "$PY" benchmarks/kernels_ab.py benchmarks/results/kernels_cuda.json "$OUT/base/kernels_cuda.json" \
+      --results-dir "$OUT" > "$OUT/kernels_ab.log" 2>&1
+  fi
 fi
 
 echo "== done in $(( SECONDS - START ))s; exit codes:"
