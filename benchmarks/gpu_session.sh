@@ -19,7 +19,8 @@
 # build   every kernel in csrc/ built, 7 in parallel       -> $OUT/build_<op>.log (cache: $ACCEL_EXT_DIR under /root)
 #         (and $BASELINE_TREE's, when set, beside them     -> $OUT/build_base_<op>.log)
 # crash_bt  $CRASH_TESTS (node ids) under cuda-gdb, only when named -> $OUT/crash_bt.log (native backtrace)
-# pytest  the GPU-relevant tests, pytest -n 16 -v          -> $OUT/pytest.log
+# pytest  the GPU-relevant tests, pytest -n 16 -v          -> $OUT/pytest.log ($TESTS_FIRST first: e.g. the tests
+#         of the kernels changed since the last GPU run, so a run cut by its timeout has them)
 # bert_base     benchmarks/bert_base.py ($BERT_ARGS)       -> $OUT/bert_base.log, bert_base_cuda.json/png
 # step_profile  benchmarks/step_profile.py, peer vs accel   -> $OUT/step_profile.log, step_profile_cuda.json/png
 # multi_stream  benchmarks/multi_stream.py                 -> $OUT/multi_stream.log, multi_stream.json/png
@@ -143,8 +144,10 @@ if want crash_bt; then
     -ex "info sharedlibrary" --args "$PY" -m pytest -x -q -p no:cacheprovider $CRASH_TESTS
 fi
 if want pytest; then
-  mapfile -t TESTS < <(existing_paths tests/runtime tests/amp tests/data tests/compiler tests/test_checkpoint.py \
-    tests/test_accelerate.py tests/test_config.py)
+  # TESTS_FIRST (paths): collected, so run, first; pytest drops them where the folders name them again
+  # shellcheck disable=SC2086  # TESTS_FIRST is a list of paths
+  mapfile -t TESTS < <(existing_paths ${TESTS_FIRST:-} tests/runtime tests/amp tests/data tests/compiler \
+    tests/test_checkpoint.py tests/test_accelerate.py tests/test_config.py)
   # -v: one line per test as it ends, so a run stopped by its timeout still shows what failed
   # --durations: which tests take the call's time, for choosing what to run when time is short
   # --deselect: the CPU kernels' portable loops, a subprocess rerun of four test files (CPU only; CI runs it);

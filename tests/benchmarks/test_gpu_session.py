@@ -52,6 +52,15 @@ def test_the_first_call_of_a_session_leaves_bert_base_its_reserve(tmp_path):
     assert float(bert_args[bert_args.index("--budget-s") + 1]) >= 150
 
 
+def test_tests_first_lead_the_pytest_paths(tmp_path):
+    first = "tests/runtime/test_layer_norm.py tests/runtime/test_fmha.py"
+    proc, out = _session(tmp_path, "pytest", TESTS_FIRST=first)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = (out / "pytest.log").read_text().split()
+    paths = [a for a in args if a.startswith("tests/") and "::" not in a]
+    assert paths[:3] == ["tests/runtime/test_layer_norm.py", "tests/runtime/test_fmha.py", "tests/runtime"]
+
+
 def test_bert_args_replace_the_workload_arguments(tmp_path):
     proc, out = _session(tmp_path, "bert_base", BERT_ARGS="--workload guide --modes peer,accel")
     assert proc.returncode == 0, proc.stdout + proc.stderr
