@@ -252,6 +252,24 @@ def test_backward_around_the_one_pass_limit(device, dtype, pdtype, n, rows):
     torch.testing.assert_close(db, dbr.to(pdtype), **sums_tol)
 
 
+# On CUDA the forward holds a thread's part of a row in registers (four 16-byte vectors, teams of up to 512
+# threads) and loops over memory for wider rows: each pair straddles that limit (fp32 8192, bf16 16384).
+FORWARD_LIMITS = [(torch.float32, 8192), (torch.float32, 8196), (torch.bfloat16, 16384), (torch.bfloat16, 16392)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,n", FORWARD_LIMITS, ids=[f"{str(d).replace('torch.', '')}-{n}" for d, n in FORWARD_LIMITS])
+def test_forward_around_the_register_limit(device, dtype, n):
+    torch.manual_seed(14)
+    x = (torch.randn(5, n, device=device) * 3 + 2).to(dtype)
+    w = torch.randn(n, device=device).to(dtype)
+    b = torch.randn(n, device=device).to(dtype)
+    y = fused_layer_norm(x, n, w, b)
+    yr = F.layer_norm(x.double(), (n,), w.double(), b.double())
+    # |y| reaches ~15 here: a few fp32 outputs are 2 ulps off
+    torch.testing.assert_close(y, yr.to(dtype), **(tol(dtype) if dtype != torch.float32 else {"rtol": 1e-5, "atol": 1e-5}))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_wide_bf16_rows_with_fp32_params(device):
     """65544-wide bf16 rows (a multiple of the 8-wide vector but not of the 1024-thread team, so the
