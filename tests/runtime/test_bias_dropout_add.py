@@ -47,6 +47,30 @@ def by_hand(x, bias, residual, mask, p):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
 def test_forward_backward_match_formula(device, dtype, shape, p):
+    _check_formula(device, dtype, shape, p)
+
+
+def _grid_stride_rows(device, cols):
+    """Rows of `cols` elements that give the CUDA kernels' grid-stride loops (grid_for: 32 blocks of 256
+    threads an SM, a thread taking two 4-element groups at a time) a second pair of groups in some threads,
+    and a part-filled last pair."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 132
+    groups = 2 * sms * 32 * 256 + 3
+    return (4 * groups + cols - 1) // cols
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ["1000", "grid-stride"])
+def test_large_inputs_cover_the_unrolled_loops(device, dtype, rows):
+    """1000 rows of 128: the one-pass bias gradient's threads take four rows at once, over chunks of 32 rows
+    and a part-filled last chunk; rows of 1028 (bias columns not aligned with the threads' groups) past the
+    forward's and backward's grid."""
+    shape = (1000, 128) if rows == "1000" else (_grid_stride_rows(device, 1028), 1028)
+    _check_formula(device, dtype, shape, 0.3)
+
+
+def _check_formula(device, dtype, shape, p):
     mask = recover_mask(shape, p, seed=11, device=device)
     x, bias, residual = inputs(shape, dtype, device)
     x.requires_grad_(), bias.requires_grad_(), residual.requires_grad_()
