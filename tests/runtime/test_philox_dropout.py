@@ -111,6 +111,20 @@ def test_dropout_fwd_is_dropout_mask_and_masked_scale_in_one_op(device, dtype, s
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_fwd_past_the_grid(device, dtype):
+    # more 4-element groups than the CUDA grid has threads, twice over and three more: the kernel's threads
+    # take two groups at a time, and a few a part-filled last pair (against the mask kernel's own draw)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 132
+    n = 4 * (2 * sms * 32 * 256 + 3)
+    x = torch.randn(n, device=device).to(dtype)
+    torch.manual_seed(12)
+    y, mask = _ops().dropout_fwd(x, 0.3)
+    assert torch.equal(mask, drawn_mask((n,), 0.3, seed=12, device=device))
+    assert torch.equal(y, _ops().masked_scale(x, mask, 1.0 / 0.7))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_dropout_fwd_checks_its_arguments(device):
     ops = _ops()
     with pytest.raises(RuntimeError, match="dropout_fwd: x: expected a floating-point tensor"):
