@@ -71,3 +71,21 @@ def save_figure(fig, name: str, directory: Path = RESULTS) -> Path:
     path = directory / f"{name}.png"
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"))
     return path
+
+
+def ratio_bars(labels: list[str], ratios: list[float], xlabel: str, title: str, name: str,
+               directory: Path = RESULTS) -> Path:
+    """A bar a row on a log scale around 1 (green at or above, red below), written as <name>.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, max(3, 0.28 * len(labels))))
+    ax.barh(labels, ratios, color=["tab:green" if x >= 1 else "tab:red" for x in ratios])
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log")
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    return save_figure(fig, name, directory)

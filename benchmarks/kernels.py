@@ -123,22 +123,10 @@ def main(argv=None) -> int:
 
 
 def _plot(rows, env, tag, directory):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labelled = [r for r in rows if r["ratio"]]
-    fig, ax = plt.subplots(figsize=(10, max(3, 0.28 * len(labelled))))
-    labels = [f"{r['op']} {r['size']}" for r in labelled]
-    ratios = [r["ratio"] for r in labelled]
-    ax.barh(labels, ratios, color=["tab:green" if x >= 1 else "tab:red" for x in ratios])
-    ax.axvline(1.0, color="black", lw=0.8)
-    ax.set_xscale("log")
-    ax.invert_yaxis()
-    ax.set_xlabel("speed-up over the best peer (peer time / our time)")
-    ax.set_title(f"accel kernels on {env['device']} ({env['date']})")
-    return _report.save_figure(fig, f"kernels_{tag}", directory)
+    return _report.ratio_bars([f"{r['op']} {r['size']}" for r in labelled], [r["ratio"] for r in labelled],
+                              "speed-up over the best peer (peer time / our time)",
+                              f"accel kernels on {env['device']} ({env['date']})", f"kernels_{tag}", directory)
 
 
 if __name__ == "__main__":

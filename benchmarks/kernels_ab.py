@@ -57,27 +57,12 @@ def main(argv=None) -> int:
     payload = {"device": new.get("device"), "date": new.get("date"), "torch": new.get("torch"),
                "new": str(args.new), "base": str(args.base), "rows": rows, "unmatched": unmatched}
     path = _report.write_json(f"kernels_ab_{tag}", payload, args.results_dir)
-    png = _plot(rows, payload, tag, args.results_dir)
+    png = _report.ratio_bars([f"{r['op']} {r['size']}" for r in rows], [r["speedup"] for r in rows],
+                             "base time / new time (> 1: the change is faster)",
+                             f"kernel changes on {payload['device']} ({payload['date']})", f"kernels_ab_{tag}",
+                             args.results_dir)
     print(f"\nwrote {path} and {png}")
     return 0
-
-
-def _plot(rows, payload, tag, directory):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, max(3, 0.28 * len(rows))))
-    speedups = [r["speedup"] for r in rows]
-    ax.barh([f"{r['op']} {r['size']}" for r in rows], speedups,
-            color=["tab:green" if x >= 1 else "tab:red" for x in speedups])
-    ax.axvline(1.0, color="black", lw=0.8)
-    ax.set_xscale("log")
-    ax.invert_yaxis()
-    ax.set_xlabel("base time / new time (> 1: the change is faster)")
-    ax.set_title(f"kernel changes on {payload['device']} ({payload['date']})")
-    return _report.save_figure(fig, f"kernels_ab_{tag}", directory)
 
 
 if __name__ == "__main__":
