@@ -320,6 +320,16 @@ def test_more_than_65535_window_heads(device):
     _assert_fp32_matches_swin(attn, bias, _swin_mask(nW, N, device), B, nW, bias_tol=(1e-4, 1e-3))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_swin_windows(device):
+    # 256 windows of Swin's 49 (stage-1 heads): on CUDA the backward's warps take four windows at a time,
+    # over 15 chunks of 18 windows (a second, part-filled round of windows in every chunk)
+    B, nW, nH, N = 64, 4, 3, 49
+    torch.manual_seed(1)
+    attn, bias = torch.randn(B * nW, nH, N, N, device=device), torch.randn(nH, N, N, device=device)
+    _assert_fp32_matches_swin(attn, bias, _swin_mask(nW, N, device), B, nW, bias_tol=(1e-5, 1e-5))
+
+
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=DEVICES[1].marks)])
 def test_cuda_bias_grad_is_bitwise_reproducible(device):
     # The bias gradient is reduced without atomics in a fixed order: two runs agree to the bit.
