@@ -309,25 +309,20 @@ def test_longest_rows_the_cuda_kernel_takes(device, N):
     _assert_fp32_matches_swin(attn, bias, _swin_mask(2, N, device), 1, 2, bias_tol=(1e-5, 2e-6))
 
 
+# (B, nW, nH, N, bias-gradient tolerance): many windows. 66000 window-heads (rows beyond any gridDim.y/z) of
+# N = 4, enough windows that the CUDA bias gradient is summed over several chunks (33000 fp32 terms per bias
+# element); 256 windows of Swin's 49 (stage-1 heads), where the CUDA backward's warps take four windows at a
+# time over 15 chunks of 18 windows (a second, part-filled round in every chunk).
+MANY_WINDOWS = [pytest.param(1100, 30, 2, 4, (1e-4, 1e-3), id="66000-window-heads"),
+                pytest.param(64, 4, 3, 49, (1e-5, 1e-5), id="256-swin-windows")]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_more_than_65535_window_heads(device):
-    # B*nW*nH = 66000 window-heads (rows beyond any gridDim.y/z), and enough windows that the CUDA
-    # bias gradient is summed over several chunks.
-    B, nW, nH, N = 1100, 30, 2, 4
+@pytest.mark.parametrize("B,nW,nH,N,bias_tol", MANY_WINDOWS)
+def test_many_windows(device, B, nW, nH, N, bias_tol):
     torch.manual_seed(0)
     attn, bias = torch.randn(B * nW, nH, N, N, device=device), torch.randn(nH, N, N, device=device)
-    # 33000 fp32 terms per bias element
-    _assert_fp32_matches_swin(attn, bias, _swin_mask(nW, N, device), B, nW, bias_tol=(1e-4, 1e-3))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_many_swin_windows(device):
-    # 256 windows of Swin's 49 (stage-1 heads): on CUDA the backward's warps take four windows at a time,
-    # over 15 chunks of 18 windows (a second, part-filled round of windows in every chunk)
-    B, nW, nH, N = 64, 4, 3, 49
-    torch.manual_seed(1)
-    attn, bias = torch.randn(B * nW, nH, N, N, device=device), torch.randn(nH, N, N, device=device)
-    _assert_fp32_matches_swin(attn, bias, _swin_mask(nW, N, device), B, nW, bias_tol=(1e-5, 1e-5))
+    _assert_fp32_matches_swin(attn, bias, _swin_mask(nW, N, device), B, nW, bias_tol=bias_tol)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=DEVICES[1].marks)])
