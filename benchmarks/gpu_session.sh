@@ -20,16 +20,18 @@
 #         (and $BASELINE_TREE's, when set, beside them     -> $OUT/build_base_<op>.log)
 # crash_bt  $CRASH_TESTS (node ids) under cuda-gdb, only when named -> $OUT/crash_bt.log (native backtrace)
 # pytest  the GPU-relevant tests, pytest -n 16 -v          -> $OUT/pytest.log ($TESTS_FIRST first: e.g. the tests
-#         of the kernels changed since the last GPU run, so a run cut by its timeout has them)
+#         of the kernels changed since the last GPU run, so a run cut by its timeout has them; $PYTEST_PATHS,
+#         when set, replaces the default folders: a short call tests only what changed)
 # bert_base     benchmarks/bert_base.py ($BERT_ARGS)       -> $OUT/bert_base.log, bert_base_cuda.json/png
 # step_profile  benchmarks/step_profile.py, peer vs accel   -> $OUT/step_profile.log, step_profile_cuda.json/png
 # multi_stream  benchmarks/multi_stream.py                 -> $OUT/multi_stream.log, multi_stream.json/png
 # host_cost     benchmarks/host_cost.py --device cuda      -> $OUT/host_cost.log, host_cost_cuda.json/png
 # kernels       benchmarks/kernels.py --device cuda        -> $OUT/kernels.log, kernels_cuda.json/png
-# kernels_base  the same from $BASELINE_TREE, an earlier commit's tree (made before the call by
-#               `mkdir _baseline && git archive REV accel csrc benchmarks/*.py benchmarks/kernel_cases |
-#               tar -x -C _baseline`; git ignores _baseline/, so name it in the device tool's `carry`): a kernel
-#               change and the code it replaces measured on one machine in one call, with no switch in the
+# kernels_base  our ops alone (--ours-only) from $BASELINE_TREE, this tree with an earlier commit's csrc/ (made
+#               before the call by `mkdir _baseline && git archive HEAD accel benchmarks/*.py
+#               benchmarks/kernel_cases | tar -x -C _baseline && git archive REV csrc | tar -x -C _baseline`;
+#               git ignores _baseline/, so name it in the device tool's `carry`): a kernel change and the code
+#               it replaces measured by the same cases on one machine in one call, with no switch in the
 #               library -> $OUT/kernels_base.log, base/kernels_cuda.json; with the kernels step's result
 #               beside it, benchmarks/kernels_ab.py's table of the two -> $OUT/kernels_ab.log, kernels_ab_cuda.json/png
 # The result files this session writes in benchmarks/results/ are copied to $OUT. A failing step does not
@@ -106,8 +108,9 @@ build_kernels() {  # build_kernels TIMEOUT_S: one process per op, all at once (e
     for src in "$tree"/csrc/cpu/*.cpp; do
       op=$(basename "$src" .cpp)
       names+=("$prefix$op")
-      PYTHONPATH="$tree:$PYTHONPATH" timeout --kill-after=10 "$limit" \
-        "$PY" -c "from accel.runtime import _build; _build.load('$op')" > "$OUT/$prefix$op.log" 2>&1 &
+      # run from the tree: `python -c` puts the working directory ahead of PYTHONPATH on sys.path
+      (cd "$tree" && exec timeout --kill-after=10 "$limit" \
+        "$PY" -c "from accel.runtime import _build; _build.load('$op')") > "$OUT/$prefix$op.log" 2>&1 &
       pids+=($!)
     done
   done
@@ -146,8 +149,9 @@ fi
 if want pytest; then
   # TESTS_FIRST (paths): collected, so run, first; pytest drops them where the folders name them again
   # shellcheck disable=SC2086  # TESTS_FIRST is a list of paths
-  mapfile -t TESTS < <(existing_paths ${TESTS_FIRST:-} tests/runtime tests/amp tests/data tests/compiler \
-    tests/test_checkpoint.py tests/test_accelerate.py tests/test_config.py)
+  # shellcheck disable=SC2086  # PYTEST_PATHS is a list of paths
+  mapfile -t TESTS < <(existing_paths ${TESTS_FIRST:-} ${PYTEST_PATHS:-tests/runtime tests/amp tests/data \
+    tests/compiler tests/test_checkpoint.py tests/test_accelerate.py tests/test_config.py})
   # -v: one line per test as it ends, so a run stopped by its timeout still shows what failed
   # --durations: which tests take the call's time, for choosing what to run when time is short
   # --deselect: the CPU kernels' portable loops, a subprocess rerun of four test files (CPU only; CI runs it);
@@ -189,10 +193,11 @@ if want kernels_base; then
   : "${BASELINE_TREE:?kernels_base: set BASELINE_TREE to a folder holding an earlier tree (accel, csrc, benchmarks)}"
   KERNELS_S=$(budget kernels_base 300)
   mkdir -p "$OUT/base"
-  # the baseline's kernels.py puts its own tree first on sys.path; its kernels build under their own fingerprint
+  # the baseline's kernels.py puts its own tree first on sys.path; its kernels build under their own fingerprint;
+  # the peers are the kernels step's (same cases, same machine)
   # shellcheck disable=SC2086  # KERNELS_ARGS is a list of words
   PYTHONPATH="$BASELINE_TREE:$PYTHONPATH" step kernels_base "$KERNELS_S" "$PY" "$BASELINE_TREE/benchmarks/kernels.py" --device cuda \
-    --budget-s $(( KERNELS_S > 120 ? KERNELS_S - 60 : 60 )) --results-dir "$OUT/base" ${KERNELS_ARGS:-}
+    --budget-s $(( KERNELS_S > 120 ? KERNELS_S - 60 : 60 )) --results-dir "$OUT/base" --ours-only ${KERNELS_ARGS:-}
   if [[ -f benchmarks/results/kernels_cuda.json && -f $OUT/base/kernels_cuda.json ]]; then  # the A/B table
     "$PY" benchmarks/kernels_ab.py benchmarks/results/kernels_cuda.json "$OUT/base/kernels_cuda.json" \
       --results-dir "$OUT" > "$OUT/kernels_ab.log" 2>&1

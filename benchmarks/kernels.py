@@ -6,12 +6,17 @@ measured copy bandwidth (for memory-bound ops), then writes benchmarks/results/k
 and a PNG of the ratios.
 
     python benchmarks/kernels.py [--device cpu|cuda] [--quick] [--ops quick_gelu,nms] [--budget-s S]
+                                 [--exclude REGEX] [--ours-only]
+
+--ours-only times our op alone: the baseline side of an A/B of two trees (benchmarks/kernels_ab.py), whose
+peers the other side times already.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import pkgutil
+import re
 import statistics
 import sys
 import time
@@ -70,6 +75,9 @@ def main(argv=None) -> int:
     ap.add_argument("--min-time", type=float, default=0.2, help="seconds of timing per measurement")
     ap.add_argument("--budget-s", type=float, help="skip the cases that would start after this many seconds "
                     "(they are listed as skipped), so a run under a time limit still writes its table")
+    ap.add_argument("--exclude", type=re.compile, help="skip the cases whose 'op size' label this regular "
+                    "expression matches (re.search), e.g. 'compiled' for the cases that compile first")
+    ap.add_argument("--ours-only", action="store_true", help="time our op alone, no peers")
     ap.add_argument("--results-dir", type=Path, default=_report.RESULTS,
                     help="where the JSON and PNG go (default benchmarks/results; a partial --ops run "
                          "should not replace the full table there)")
@@ -87,12 +95,15 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     for name, cases in load_cases(args.device, args.quick, ops):
         for case in cases:
+            if args.exclude and args.exclude.search(f"{case.op} {case.size}"):
+                continue
             if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
                 skipped.append({"op": case.op, "size": case.size,
                                 "reason": f"time budget (--budget-s {args.budget_s:g}) spent"})
                 continue
             ours = time_call(case.ours, args.device, args.min_time)
-            peers = {p: time_call(fn, args.device, args.min_time) for p, fn in case.peers.items()}
+            peers = {} if args.ours_only else {p: time_call(fn, args.device, args.min_time)
+                                               for p, fn in case.peers.items()}
             best = min(peers, key=peers.get) if peers else None
             gbps = case.bytes_moved / ours / 1e9
             rows.append({
