@@ -48,6 +48,7 @@ touch "$OUT/.started"  # results newer than this were written by this session
 
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export ACCEL_EXT_DIR="${ACCEL_EXT_DIR:-/root/.cache/accel/ext}"
+BASE_EXT_DIR="$ACCEL_EXT_DIR/baseline"  # $BASELINE_TREE's kernels
 export PYTHONUNBUFFERED=1  # a step killed by its timeout still leaves its log
 PY="${PYTHON:-python}"
 SESSION_S="${GPU_SESSION_S:-570}"  # 10 minutes, less a margin for start-up, kills and copying
@@ -101,15 +102,17 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it under a timeout, output in $O
 
 build_kernels() {  # build_kernels TIMEOUT_S: one process per op, all at once (each op is its own extension),
   # and those of $BASELINE_TREE too when it is set (for kernels_base, a later call on the warm machine)
-  local limit=$1 t0=$SECONDS pids=() names=() op i tree prefix
+  local limit=$1 t0=$SECONDS pids=() names=() op i tree prefix ext
   for tree in . ${BASELINE_TREE:+"$BASELINE_TREE"}; do
-    prefix=build_
-    [[ $tree == . ]] || prefix=build_base_
+    prefix=build_ ext=$ACCEL_EXT_DIR
+    # the baseline's builds in a folder of their own: one op's two trees in one folder would race here
+    # and rebuild each other at every switch (an H100 call spent its kernels_base time so)
+    [[ $tree == . ]] || prefix=build_base_ ext=$BASE_EXT_DIR
     for src in "$tree"/csrc/cpu/*.cpp; do
       op=$(basename "$src" .cpp)
       names+=("$prefix$op")
       # run from the tree: `python -c` puts the working directory ahead of PYTHONPATH on sys.path
-      (cd "$tree" && exec timeout --kill-after=10 "$limit" \
+      (cd "$tree" && ACCEL_EXT_DIR=$ext exec timeout --kill-after=10 "$limit" \
         "$PY" -c "from accel.runtime import _build; _build.load('$op')") > "$OUT/$prefix$op.log" 2>&1 &
       pids+=($!)
     done
@@ -196,7 +199,7 @@ if want kernels_base; then
   # the baseline's kernels.py puts its own tree first on sys.path; its kernels build under their own fingerprint;
   # the peers are the kernels step's (same cases, same machine)
   # shellcheck disable=SC2086  # KERNELS_ARGS is a list of words
-  PYTHONPATH="$BASELINE_TREE:$PYTHONPATH" step kernels_base "$KERNELS_S" "$PY" "$BASELINE_TREE/benchmarks/kernels.py" --device cuda \
+  PYTHONPATH="$BASELINE_TREE:$PYTHONPATH" ACCEL_EXT_DIR=$BASE_EXT_DIR step kernels_base "$KERNELS_S" "$PY" "$BASELINE_TREE/benchmarks/kernels.py" --device cuda \
     --budget-s $(( KERNELS_S > 120 ? KERNELS_S - 60 : 60 )) --results-dir "$OUT/base" --ours-only ${KERNELS_ARGS:-}
   if [[ -f benchmarks/results/kernels_cuda.json && -f $OUT/base/kernels_cuda.json ]]; then  # the A/B table
     "$PY" benchmarks/kernels_ab.py benchmarks/results/kernels_cuda.json "$OUT/base/kernels_cuda.json" \

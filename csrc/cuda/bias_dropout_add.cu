@@ -95,44 +95,16 @@ __device__ __forceinline__ void keep_multipliers(uint64_t seed, uint64_t counter
   for (int k = 0; k < 4; ++k) mult[k] = static_cast<uint64_t>(engine()) < threshold ? scale : opmath_t(0);
 }
 
-// Groups a thread takes at a time in the grid-stride loops below, all their loads issued before the first
-// is used: a thread's bytes in flight are what covers the memory latency, and one group of a 16-bit type is
-// 8 bytes (bf16 rows reached 67-77% of copy bandwidth with one group at a time on an H200, fp32 95%).
-constexpr int kUnroll = 2;
-
-// Threads a block in the grid-stride kernels, and the blocks an SM keeps resident at 32 registers a thread:
-// the launch bound of the one-input kernels keeps them there (full occupancy, no spills but a few bytes in
-// double). The forward's two inputs and bias column take 48 registers (5 blocks an SM; spills at 32).
-constexpr int kThreads = 256;
-constexpr int kBlocksPerSM = 8;
-
-// Grid-stride over the groups of 4 elements of src (n elements): f(blk, values) for each group blk, in order,
-// kUnroll groups a thread at a time (loads first).
-template <typename scalar_t, bool kVec, typename F>
-__device__ __forceinline__ void for_each_group(const scalar_t* __restrict__ src, int64_t n, F&& f) {
-  const int64_t groups = (n + 3) / 4;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t blk0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; blk0 < groups;
-       blk0 += kUnroll * stride) {
-    scalar_t in[kUnroll][4];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (blk0 + u * stride < groups) load4<scalar_t, kVec>(src, blk0 + u * stride, n, in[u]);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (blk0 + u * stride < groups) f(blk0 + u * stride, in[u]);
-  }
-}
-
-// dst = in * the keep multipliers of group blk (scale or 0, in opmath, rounded once), which land in mult:
+// dst = src * the keep multipliers of group blk (scale or 0, in opmath, rounded once), which land in mult:
 // dropout's scaling step, forward and backward alike.
 template <typename scalar_t, bool kVec>
-__device__ __forceinline__ void scale_group(const scalar_t (&in)[4], scalar_t* __restrict__ dst, int64_t blk,
+__device__ __forceinline__ void scale_group(const scalar_t* __restrict__ src, scalar_t* __restrict__ dst, int64_t blk,
                                             int64_t n, uint64_t seed, uint64_t counter, uint64_t threshold,
                                             at::opmath_type<scalar_t> scale, at::opmath_type<scalar_t> (&mult)[4]) {
   using opmath_t = at::opmath_type<scalar_t>;
   keep_multipliers(seed, counter, blk, threshold, scale, mult);
-  scalar_t out[4];
+  scalar_t in[4], out[4];
+  load4<scalar_t, kVec>(src, blk, n, in);
 #pragma unroll
   for (int k = 0; k < 4; ++k) out[k] = static_cast<scalar_t>(static_cast<opmath_t>(in[k]) * mult[k]);
   store4<scalar_t, kVec>(dst, blk, n, out);
@@ -167,54 +139,45 @@ __global__ void bias_dropout_add_fwd_kernel(const scalar_t* __restrict__ x, cons
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t col0 = bias != nullptr ? (4 * first) % cols : 0;  // bias column of element 4 blk (one division)
-  for (int64_t blk0 = first; blk0 < groups; blk0 += kUnroll * stride) {
-    scalar_t xv[kUnroll][4], rv[kUnroll][4];
+  for (int64_t blk = first; blk < groups; blk += stride) {
+    opmath_t mult[4];
+    if constexpr (kDropout) keep_multipliers(seed, counter, blk, keep.threshold, scale, mult);
+    scalar_t xv[4], rv[4], ov[4];
+    load4<scalar_t, kVec>(x, blk, n, xv);
+    load4<scalar_t, kVec>(residual, blk, n, rv);
+    int64_t col = col0;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {  // loads first (kUnroll)
-      if (blk0 + u * stride >= groups) continue;
-      load4<scalar_t, kVec>(x, blk0 + u * stride, n, xv[u]);
-      load4<scalar_t, kVec>(residual, blk0 + u * stride, n, rv[u]);
+    for (int k = 0; k < 4; ++k) {
+      opmath_t v = static_cast<opmath_t>(xv[k]);
+      if (bias != nullptr) {
+        // 4 blk + k may lie past n on the tail; col stays in [0, cols), so the read is in bounds.
+        v += static_cast<opmath_t>(bias[col]);
+        if (++col == cols) col = 0;
+      }
+      if constexpr (kDropout) v *= mult[k];
+      ov[k] = static_cast<scalar_t>(static_cast<opmath_t>(rv[k]) + v);
     }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t blk = blk0 + u * stride;
-      if (blk >= groups) break;
-      opmath_t mult[4];
-      if constexpr (kDropout) keep_multipliers(seed, counter, blk, keep.threshold, scale, mult);
-      scalar_t ov[4];
-      int64_t col = col0;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        opmath_t v = static_cast<opmath_t>(xv[u][k]);
-        if (bias != nullptr) {
-          // 4 blk + k may lie past n on the tail; col stays in [0, cols), so the read is in bounds.
-          v += static_cast<opmath_t>(bias[col]);
-          if (++col == cols) col = 0;
-        }
-        if constexpr (kDropout) v *= mult[k];
-        ov[k] = static_cast<scalar_t>(static_cast<opmath_t>(rv[u][k]) + v);
-      }
-      store4<scalar_t, kVec>(out, blk, n, ov);
-      if (bias != nullptr) {  // the column of element 4 (blk + stride)
-        col0 += col_step;
-        if (col0 >= cols) col0 -= cols;
-      }
+    store4<scalar_t, kVec>(out, blk, n, ov);
+    if (bias != nullptr) {
+      col0 += col_step;
+      if (col0 >= cols) col0 -= cols;
     }
   }
 }
 
 template <typename scalar_t, bool kVec>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSM)
-    bias_dropout_add_bwd_kernel(const scalar_t* __restrict__ grad, scalar_t* __restrict__ dx, int64_t n,
-                                const int64_t* __restrict__ rng_state, Keep keep) {
+__global__ void bias_dropout_add_bwd_kernel(const scalar_t* __restrict__ grad, scalar_t* __restrict__ dx, int64_t n,
+                                            const int64_t* __restrict__ rng_state, Keep keep) {
   using opmath_t = at::opmath_type<scalar_t>;
   const uint64_t seed = static_cast<uint64_t>(rng_state[0]);
   const uint64_t counter = static_cast<uint64_t>(rng_state[1]);
   const opmath_t scale = static_cast<opmath_t>(keep.scale);
-  for_each_group<scalar_t, kVec>(grad, n, [&](int64_t blk, const scalar_t (&g)[4]) {
+  const int64_t groups = (n + 3) / 4;
+  for (int64_t blk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; blk < groups;
+       blk += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     opmath_t mult[4];
-    scale_group<scalar_t, kVec>(g, dx, blk, n, seed, counter, keep.threshold, scale, mult);
-  });
+    scale_group<scalar_t, kVec>(grad, dx, blk, n, seed, counter, keep.threshold, scale, mult);
+  }
 }
 
 // The backward with the bias gradient in the same pass: grad viewed as [rows, cols] (cols % 4 == 0, every
@@ -228,13 +191,12 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM)
 // rows_per_chunk * gridDim.y >= rows.
 constexpr int kBiasVecs = 32;
 constexpr int kBiasRows = 8;
-constexpr int kBiasRowsAtOnce = 4;  // the launch bound below: 64 registers, 4 blocks an SM
 
 template <typename scalar_t>
-__global__ void __launch_bounds__(kBiasVecs * kBiasRows, 4)
-    bias_dropout_add_bwd_bias_kernel(const scalar_t* __restrict__ grad, scalar_t* __restrict__ dx,
-                                     at::opmath_type<scalar_t>* __restrict__ partial, int64_t rows, int64_t cols,
-                                     int64_t rows_per_chunk, const int64_t* __restrict__ rng_state, Keep keep) {
+__global__ void bias_dropout_add_bwd_bias_kernel(const scalar_t* __restrict__ grad, scalar_t* __restrict__ dx,
+                                                 at::opmath_type<scalar_t>* __restrict__ partial, int64_t rows,
+                                                 int64_t cols, int64_t rows_per_chunk,
+                                                 const int64_t* __restrict__ rng_state, Keep keep) {
   using opmath_t = at::opmath_type<scalar_t>;
   __shared__ opmath_t sums[kBiasRows][4 * kBiasVecs + 1];
   const uint64_t seed = static_cast<uint64_t>(rng_state[0]);
@@ -246,28 +208,18 @@ __global__ void __launch_bounds__(kBiasVecs * kBiasRows, 4)
   const int64_t r1 = min(rows, r0 + rows_per_chunk);
   opmath_t acc[4] = {0, 0, 0, 0};
   if (cg < groups_per_row) {
-    // rows r, r + kBiasRows, ...: kBiasRowsAtOnce of them loaded before the first is used (bytes in flight,
-    // as kUnroll), then summed in row order
-    for (int64_t first = r0 + threadIdx.y; first < r1; first += kBiasRowsAtOnce * kBiasRows) {
-      scalar_t gv[kBiasRowsAtOnce][4];
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kBiasRows) {
+      const int64_t blk = r * groups_per_row + cg;
+      opmath_t mult[4];
+      keep_multipliers(seed, counter, blk, keep.threshold, scale, mult);
+      scalar_t gv[4], ov[4];
+      load4<scalar_t, true>(grad, blk, 0, gv);
 #pragma unroll
-      for (int u = 0; u < kBiasRowsAtOnce; ++u)
-        if (first + u * kBiasRows < r1)
-          load4<scalar_t, true>(grad, (first + u * kBiasRows) * groups_per_row + cg, 0, gv[u]);
-#pragma unroll
-      for (int u = 0; u < kBiasRowsAtOnce; ++u) {
-        if (first + u * kBiasRows >= r1) break;
-        const int64_t blk = (first + u * kBiasRows) * groups_per_row + cg;
-        opmath_t mult[4];
-        keep_multipliers(seed, counter, blk, keep.threshold, scale, mult);
-        scalar_t ov[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          ov[k] = static_cast<scalar_t>(static_cast<opmath_t>(gv[u][k]) * mult[k]);
-          acc[k] += static_cast<opmath_t>(ov[k]);
-        }
-        store4<scalar_t, true>(dx, blk, 0, ov);
+      for (int k = 0; k < 4; ++k) {
+        ov[k] = static_cast<scalar_t>(static_cast<opmath_t>(gv[k]) * mult[k]);
+        acc[k] += static_cast<opmath_t>(ov[k]);
       }
+      store4<scalar_t, true>(dx, blk, 0, ov);
     }
   }
 #pragma unroll
@@ -281,6 +233,8 @@ __global__ void __launch_bounds__(kBiasVecs * kBiasRows, 4)
     partial[(int64_t)blockIdx.y * cols + 4 * cg + k] = sum;
   }
 }
+
+constexpr int kThreads = 256;
 
 // Enough blocks to fill every SM several times over; the grid-stride loop takes the rest.
 inline int64_t grid_for(int64_t groups) {
@@ -390,7 +344,7 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_add_bwd_cuda(const at::Tensor& g
     if (bias_grad && n > 0 && vec && cols % 4 == 0) {
       const int64_t rows = n / cols;
       const int64_t col_tiles = (cols / 4 + kBiasVecs - 1) / kBiasVecs;
-      const auto [chunks, rows_per_chunk] = column_sum::row_chunks(rows, col_tiles, kBiasRowsAtOnce * kBiasRows);
+      const auto [chunks, rows_per_chunk] = column_sum::row_chunks(rows, col_tiles, 4 * kBiasRows);  // 4 rows a thread
       TORCH_CHECK(col_tiles <= 0x7fffffff, "bias_dropout_add_bwd: ", cols, " columns are too many");
       auto partial = at::empty({chunks, cols}, grad.options().dtype(c10::CppTypeToScalarType<opmath_t>::value));
       bias_dropout_add_bwd_bias_kernel<scalar_t><<<dim3((unsigned)col_tiles, (unsigned)chunks), dim3(kBiasVecs, kBiasRows), 0,
@@ -454,16 +408,16 @@ at::Tensor dropout_mask_cuda(c10::SymIntArrayRef size, double p, at::Device devi
 // kVec: n % 4 == 0, x and y aligned to a Vec4 (the mask, from at::empty, to 4 bytes at every group); philox
 // reserved 4 draws per subsequence. The draws are dropout_mask_kernel's: same mask for the same state.
 template <typename scalar_t, bool kVec>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSM)
-    dropout_fwd_kernel(const scalar_t* __restrict__ x, scalar_t* __restrict__ y, bool* __restrict__ mask, int64_t n,
-                       at::PhiloxCudaState philox, Keep keep) {
+__global__ void dropout_fwd_kernel(const scalar_t* __restrict__ x, scalar_t* __restrict__ y, bool* __restrict__ mask,
+                                   int64_t n, at::PhiloxCudaState philox, Keep keep) {
   using opmath_t = at::opmath_type<scalar_t>;
-  const PhiloxKey key = philox_key(philox);
-  const uint64_t seed = key.seed, counter = key.counter;
+  const auto [seed, counter] = philox_key(philox);
   const opmath_t scale = static_cast<opmath_t>(keep.scale);
-  for_each_group<scalar_t, kVec>(x, n, [&](int64_t blk, const scalar_t (&in)[4]) {
+  const int64_t groups = (n + 3) / 4;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t blk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; blk < groups; blk += stride) {
     opmath_t mult[4];
-    scale_group<scalar_t, kVec>(in, y, blk, n, seed, counter, keep.threshold, scale, mult);
+    scale_group<scalar_t, kVec>(x, y, blk, n, seed, counter, keep.threshold, scale, mult);
     if constexpr (kVec) {
       uchar4 bytes;
       bytes.x = mult[0] != opmath_t(0);
@@ -476,7 +430,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM)
       for (int k = 0; k < 4; ++k)
         if (4 * blk + k < n) mask[4 * blk + k] = mult[k] != opmath_t(0);
     }
-  });
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> dropout_fwd_cuda(const at::Tensor& x_, double p) {

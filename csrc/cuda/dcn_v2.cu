@@ -211,6 +211,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dcn_v2_bw
     const std::optional<at::Tensor>& mask, at::IntArrayRef stride, at::IntArrayRef padding,
     at::IntArrayRef dilation) {
   c10::cuda::CUDAGuard guard(input.device());
+  // grad_input (and, over several slices, grad_offset/grad_mask) sum in whatever order the atomics land
+  // (as torchvision's CUDA deform_conv2d backward): refused under torch.use_deterministic_algorithms(True)
+  at::globalContext().alertNotDeterministic("dcn_v2_bwd_cuda");
   const Inputs in = prepare("dcn_v2_bwd", input, offset, weight, std::nullopt, mask, stride, padding, dilation);
   const Geometry& g = in.g;
   return backward(in, grad_output, kMaxCols,

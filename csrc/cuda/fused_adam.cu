@@ -134,46 +134,6 @@ __device__ __forceinline__ void store16(X* dst, const X (&r)[N]) {
   }
 }
 
-// One pack (N elements) of every tensor of the update between memory at offset i and registers; vm is
-// null without amsgrad (x then stays as it is).
-template <typename scalar_t, typename state_t, int N>
-__device__ __forceinline__ void load_pack(scalar_t (&pr)[N], scalar_t (&gr)[N], state_t (&mr)[N], state_t (&vr)[N],
-                                          state_t (&xr)[N], const scalar_t* p, const scalar_t* g, const state_t* m,
-                                          const state_t* v, const state_t* vm, int64_t i) {
-  load16(pr, p + i);
-  load16(gr, g + i);
-  load16(mr, m + i);
-  load16(vr, v + i);
-  if (vm != nullptr) load16(xr, vm + i);
-}
-
-template <typename scalar_t, typename state_t, int N>
-__device__ __forceinline__ void store_pack(scalar_t* p, state_t* m, state_t* v, state_t* vm, int64_t i,
-                                           const scalar_t (&pr)[N], const state_t (&mr)[N], const state_t (&vr)[N],
-                                           const state_t (&xr)[N]) {
-  store16(p + i, pr);
-  store16(m + i, mr);
-  store16(v + i, vr);
-  if (vm != nullptr) store16(vm + i, xr);
-}
-
-// adam_element over a pack in registers, widened to the math type T and rounded back.
-template <typename T, typename scalar_t, typename state_t, int N>
-__device__ __forceinline__ void update_pack(scalar_t (&pr)[N], const scalar_t (&gr)[N], state_t (&mr)[N],
-                                            state_t (&vr)[N], state_t (&xr)[N], const fused_adam_host::Coeffs<T>& c,
-                                            bool amsgrad, bool coupled) {
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    T pj = static_cast<T>(pr[j]), mj = static_cast<T>(mr[j]), vj = static_cast<T>(vr[j]);
-    T xj = static_cast<T>(xr[j]);
-    fused_adam_host::adam_element<T>(pj, static_cast<T>(gr[j]), mj, vj, xj, c, amsgrad, coupled);
-    pr[j] = static_cast<scalar_t>(pj);
-    mr[j] = static_cast<state_t>(mj);
-    vr[j] = static_cast<state_t>(vj);
-    xr[j] = static_cast<state_t>(xj);
-  }
-}
-
 // One Adam step over the chunks of up to N tensors of one dtype. The per-element math is
 // fused_adam_host::adam_element, the CPU kernel's own: both devices give the same bits (its
 // rounding sequence is pinned against FMA contraction).
@@ -185,7 +145,7 @@ __device__ __forceinline__ void update_pack(scalar_t (&pr)[N], const scalar_t (&
 //    (c - chunk_start[t]) * chunk_size on, at most chunk_size of them.
 //  - meta.n >= 1, chunk_start[0] == 0 and chunk_start is non-decreasing.
 //  - No alignment: a chunk whose p, g, m, v (and vm) are all 16-byte aligned takes 16-byte accesses,
-//    two packs of 16 / sizeof(scalar_t) elements a thread and iteration; any other chunk the scalar loop.
+//    16 / sizeof(scalar_t) elements a thread and iteration; any other chunk the scalar loop.
 //  - state_t (m, v, vm) is the math type T, or scalar_t itself (compact state, torch.optim's layout):
 //    widened to T on load, rounded on store.
 //  - *step[t] holds the count before this step: the advance kernel, launched after every update
@@ -194,7 +154,7 @@ template <typename scalar_t, typename state_t, int N>
 __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMeta<N> meta, const AdamArgs a) {
   using T = at::opmath_type<scalar_t>;
   using fused_adam_host::adam_element;
-  // a pack: 16 bytes of p and of g; the state takes one or two 16-byte pieces of it
+  // 16 bytes of p and g per thread and iteration; the state takes one or two 16-byte pieces.
   constexpr int kVec = 16 / sizeof(scalar_t);
   static_assert(kVec * sizeof(state_t) % 16 == 0, "the state is read in whole 16-byte pieces");
   if (a.found_inf != nullptr && *a.found_inf != 0.f) return;
@@ -225,22 +185,30 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
     const bool vec = aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) && (vm == nullptr || aligned16(vm));
     int64_t done = 0;
     if (vec) {
-      // Two packs a thread and iteration, both loaded before either is computed: twice the bytes in
-      // flight per thread (a compact-state pack is only 64 bytes of loads).
       const int64_t packs = n / kVec;
-      for (int64_t k = threadIdx.x; k < packs; k += 2 * blockDim.x) {
-        const int64_t i0 = k * kVec, i1 = (k + blockDim.x) * kVec;
-        const bool second = k + blockDim.x < packs;
-        scalar_t pr[2][kVec], gr[2][kVec];
-        state_t mr[2][kVec], vr[2][kVec], xr[2][kVec] = {};
-        load_pack(pr[0], gr[0], mr[0], vr[0], xr[0], p, g, m, v, vm, i0);
-        if (second) load_pack(pr[1], gr[1], mr[1], vr[1], xr[1], p, g, m, v, vm, i1);
-        update_pack<T>(pr[0], gr[0], mr[0], vr[0], xr[0], c, a.amsgrad, coupled);
-        store_pack(p, m, v, vm, i0, pr[0], mr[0], vr[0], xr[0]);
-        if (second) {
-          update_pack<T>(pr[1], gr[1], mr[1], vr[1], xr[1], c, a.amsgrad, coupled);
-          store_pack(p, m, v, vm, i1, pr[1], mr[1], vr[1], xr[1]);
+      for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
+        const int64_t i = k * kVec;
+        scalar_t pr[kVec], gr[kVec];
+        state_t mr[kVec], vr[kVec], xr[kVec] = {};
+        load16(pr, p + i);
+        load16(gr, g + i);
+        load16(mr, m + i);
+        load16(vr, v + i);
+        if (vm != nullptr) load16(xr, vm + i);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          T pj = static_cast<T>(pr[j]), mj = static_cast<T>(mr[j]), vj = static_cast<T>(vr[j]);
+          T xj = static_cast<T>(xr[j]);
+          adam_element<T>(pj, static_cast<T>(gr[j]), mj, vj, xj, c, a.amsgrad, coupled);
+          pr[j] = static_cast<scalar_t>(pj);
+          mr[j] = static_cast<state_t>(mj);
+          vr[j] = static_cast<state_t>(vj);
+          xr[j] = static_cast<state_t>(xj);
         }
+        store16(p + i, pr);
+        store16(m + i, mr);
+        store16(v + i, vr);
+        if (vm != nullptr) store16(vm + i, xr);
       }
       done = packs * kVec;
     }

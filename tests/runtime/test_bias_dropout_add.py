@@ -51,9 +51,9 @@ def test_forward_backward_match_formula(device, dtype, shape, p):
 
 
 def _grid_stride_rows(device, cols):
-    """Rows of `cols` elements that give the CUDA kernels' grid-stride loops (grid_for: 32 blocks of 256
-    threads an SM, a thread taking two 4-element groups at a time) a second pair of groups in some threads,
-    and a part-filled last pair."""
+    """Rows of `cols` elements that take the CUDA kernels' grid-stride loops (grid_for: 32 blocks of 256
+    threads an SM, a 4-element group a thread and round) twice round the grid, and a few threads a third
+    time, the last group part-filled where 4 does not divide the size."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 132
     groups = 2 * sms * 32 * 256 + 3
     return (4 * groups + cols - 1) // cols
@@ -62,10 +62,10 @@ def _grid_stride_rows(device, cols):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["1000 rows", "grid-stride", "grid-stride, no bias"])
-def test_large_inputs_cover_the_unrolled_loops(device, dtype, case):
-    """1000 rows of 128: the one-pass bias gradient's threads take four rows at once, over chunks of 32 rows
-    and a part-filled last chunk; rows of 1028 (bias columns not aligned with the threads' groups) past the
-    forward's grid, and past the backward's without a bias (its grid-stride kernel)."""
+def test_large_inputs_past_the_cuda_grid(device, dtype, case):
+    """1000 rows of 128: the one-pass bias gradient over chunks of rows and a part-filled last chunk; rows
+    of 1028 (bias columns not aligned with the threads' groups) past the forward's grid, and past the
+    backward's without a bias (its grid-stride kernel)."""
     shape = (1000, 128) if case == "1000 rows" else (_grid_stride_rows(device, 1028), 1028)
     _check_formula(device, dtype, shape, 0.3, with_bias=not case.endswith("no bias"))
 

@@ -571,7 +571,7 @@ def test_a_chunk_larger_than_every_tensor_is_one_chunk(device):
 
 def _awkward_views(device, dtype, compact=False):
     """Odd sizes, a tensor of a view that starts mid-vector (not 16-byte aligned), a transposed
-    (non-contiguous) one, an empty one and one long enough for every CUDA thread to take two packs: every
+    (non-contiguous) one, an empty one and one long enough for every CUDA thread to go round its loop twice: every
     path of the kernels' alignment and layout logic.
     `compact`: the state in the param dtype."""
     gen = torch.Generator().manual_seed(3)
@@ -582,7 +582,8 @@ def _awkward_views(device, dtype, compact=False):
 
     def lists(dt, positive=False):
         base = make((1 + 1029,), dt)
-        # 4109: over two 16-byte packs per CUDA thread (256 threads) for every dtype, plus a tail
+        # 4109: over two 16-byte packs per CUDA thread (256 threads) for every dtype, plus a tail: a second
+        # round of the thread's loop
         out = [make((1029,), dt), base[1:], make((33, 9), dt).t(), make((0,), dt), make((1,), dt), make((4109,), dt)]
         return [t.abs() for t in out] if positive else out
 

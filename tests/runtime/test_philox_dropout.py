@@ -113,8 +113,8 @@ def test_dropout_fwd_is_dropout_mask_and_masked_scale_in_one_op(device, dtype, s
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dropout_fwd_past_the_grid(device, dtype):
-    # more 4-element groups than the CUDA grid has threads, twice over and three more: the kernel's threads
-    # take two groups at a time, and a few a part-filled last pair (against the mask kernel's own draw)
+    # more 4-element groups than the CUDA grid has threads, twice over and three more: every thread goes
+    # round its grid-stride loop twice, a few a third time (against the mask kernel's own draw)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 132
     n = 4 * (2 * sms * 32 * 256 + 3)
     x = torch.randn(n, device=device).to(dtype)
