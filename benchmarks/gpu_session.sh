@@ -17,7 +17,8 @@
 # STEPS picks steps by name, in the order below; the default is all of them:
 # env     environment (nvidia-smi, versions)              -> $OUT/env.log
 # build   every kernel in csrc/ built, 7 in parallel       -> $OUT/build_<op>.log (cache: $ACCEL_EXT_DIR under /root)
-#         (and $BASELINE_TREE's, when set, beside them     -> $OUT/build_base_<op>.log)
+#         (and $BASELINE_TREE's, when set, beside them     -> $OUT/build_base_<op>.log; $BASELINE_OPS, when
+#         set, names the baseline's ops to build)
 # crash_bt  $CRASH_TESTS (node ids) under cuda-gdb, only when named -> $OUT/crash_bt.log (native backtrace)
 # pytest  the GPU-relevant tests, pytest -n 16 -v          -> $OUT/pytest.log ($TESTS_FIRST first: e.g. the tests
 #         of the kernels changed since the last GPU run, so a run cut by its timeout has them; $PYTEST_PATHS,
@@ -110,6 +111,8 @@ build_kernels() {  # build_kernels TIMEOUT_S: one process per op, all at once (e
     [[ $tree == . ]] || prefix=build_base_ ext=$BASE_EXT_DIR
     for src in "$tree"/csrc/cpu/*.cpp; do
       op=$(basename "$src" .cpp)
+      # BASELINE_OPS (names): the baseline's ops to build, those of KERNELS_ARGS' --ops (a build is ~a minute)
+      [[ $tree == . || -z ${BASELINE_OPS:-} || " $BASELINE_OPS " == *" $op "* ]] || continue
       names+=("$prefix$op")
       # run from the tree: `python -c` puts the working directory ahead of PYTHONPATH on sys.path
       (cd "$tree" && ACCEL_EXT_DIR=$ext exec timeout --kill-after=10 "$limit" \
@@ -159,7 +162,9 @@ if want pytest; then
   # --durations: which tests take the call's time, for choosing what to run when time is short
   # --deselect: the CPU kernels' portable loops, a subprocess rerun of four test files (CPU only; CI runs it);
   # with it the 2026-11-26 runs did not finish in 240 and 300 s
-  step pytest "$(budget pytest 300)" "$PY" -m pytest -v -n 16 --durations=30 -p no:cacheprovider \
+  # OMP_NUM_THREADS=1: 16 workers each running OpenMP over 16 cores made the CPU cases of fused_adam 70-100 s
+  # apiece on an H100 machine (six test files took 246 s); tests that need threads set their own count
+  OMP_NUM_THREADS=1 step pytest "$(budget pytest 300)" "$PY" -m pytest -v -n 16 --durations=30 -p no:cacheprovider \
     --deselect tests/runtime/test_portable_paths.py::test_kernel_tests_pass_on_the_portable_loops "${TESTS[@]}"
 fi
 if want bert_base; then
