@@ -9,7 +9,7 @@
 TorchAcc's field names are kept so its users' configs carry over (backend, compute.fp16/bf16,
 memory.gc/gc_cls/gc_cnt, dataloader.buckets/max_length/num_buckets/pad_value_dict, dist.dp.size,
 dist.fsdp.size/wrap_layer_cls/flatten_parameters/cpu_offload, dist.topology); accel's own fields sit
-beside them (compute.compile/cuda_graphs/kernels, dataloader.pack).
+beside them (compute.compile/cuda_graphs/kernels, memory.keep_freed_memory, dataloader.pack).
 
 Every section validates itself in __post_init__ (a bad value raises ValueError naming the field), and
 Config.validate() re-checks the whole tree, which accelerate() calls: fields assigned after
@@ -115,20 +115,25 @@ class ComputeConfig(_Section):
 
 @dataclass
 class MemoryConfig(_Section):
-    """Activation checkpointing (gradient checkpointing).
+    """Activation checkpointing (gradient checkpointing), and the host allocator.
 
     gc: turn it on. gc_cls: class names of the blocks to checkpoint (e.g. {"BertLayer"}); without
         names accel.auto_checkpoint finds the repeated blocks itself.
     gc_cnt: checkpoint only the first gc_cnt blocks (None: all of them).
+    keep_freed_memory: for models that run on the CPU, glibc's malloc keeps freed memory for reuse
+        (accel.runtime.host_memory): large tensors stop costing page faults every step, and the process
+        keeps its peak heap size.
     """
 
     _prefix = "memory"
     gc: bool = False
     gc_cls: Optional[set] = None
     gc_cnt: Optional[int] = None
+    keep_freed_memory: bool = True
 
     def _check(self) -> None:
         _check_bool("memory.gc", self.gc)
+        _check_bool("memory.keep_freed_memory", self.keep_freed_memory)
         self.gc_cls = _class_names("memory.gc_cls", self.gc_cls)
         _check_positive_int("memory.gc_cnt", self.gc_cnt)
         if not self.gc and (self.gc_cls is not None or self.gc_cnt is not None):

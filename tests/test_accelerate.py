@@ -129,6 +129,17 @@ def test_the_config_is_copied_not_shared():
     assert {b["input_ids"].shape[1] for b in wrapped} == {32}
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_keep_freed_memory_for_models_on_the_cpu(monkeypatch, keep):
+    calls = []
+    monkeypatch.setattr(accelerate_module, "keep_freed_memory", lambda: calls.append("kept") or True)
+    config = cpu_config(compile=False, kernels=False)
+    config.memory.keep_freed_memory = keep
+    accel.accelerate(nn.Linear(2, 2), config=config)
+    assert calls == (["kept"] if keep else [])
+    assert accelerate_module._runs_on_cpu("cpu") and not accelerate_module._runs_on_cpu("cuda")
+
+
 # --------------------------------------------------------------------------- precision
 
 def test_bf16_on_a_cpu_without_native_bf16_stays_fp32_and_says_so_once(monkeypatch):

@@ -11,7 +11,7 @@ def test_defaults_use_torchacc_names_and_ours():
     assert (c.compute.fp16, c.compute.bf16) == (False, False)
     assert (c.compute.compile, c.compute.cuda_graphs, c.compute.kernels) == (True, True, True)
     assert (c.compute.recompile_guard, c.compute.first_token_only) == (False, True)
-    assert (c.memory.gc, c.memory.gc_cls, c.memory.gc_cnt) == (False, None, None)
+    assert (c.memory.gc, c.memory.gc_cls, c.memory.gc_cnt, c.memory.keep_freed_memory) == (False, None, None, True)
     assert (c.dataloader.buckets, c.dataloader.max_length, c.dataloader.num_buckets) == (None, None, None)
     assert c.dataloader.pad_value_dict == {"input_ids": 0, "attention_mask": 0, "labels": -100}
     assert c.dataloader.pack is False
@@ -37,6 +37,7 @@ def test_no_state_is_shared_between_configs():
     (lambda: MemoryConfig(gc=True, gc_cls=[""]), "memory.gc_cls"),
     (lambda: MemoryConfig(gc=True, gc_cnt=0), "memory.gc_cnt"),
     (lambda: MemoryConfig(gc=1), "memory.gc"),
+    (lambda: MemoryConfig(keep_freed_memory="yes"), "memory.keep_freed_memory"),
     (lambda: DataLoaderConfig(buckets=[0, 8]), "dataloader.buckets"),
     (lambda: DataLoaderConfig(buckets=[]), "dataloader.buckets"),
     (lambda: DataLoaderConfig(max_length=2.5), "dataloader.max_length"),

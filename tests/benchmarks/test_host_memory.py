@@ -1,0 +1,25 @@
+"""benchmarks/host_memory.py in its quick mode (one tiny row, each setting in its own process) and its arguments."""
+import json
+
+import pytest
+
+from accel.runtime import host_memory as host_memory_module
+from benchmarks import host_memory
+
+NOT_GLIBC = "the benchmark compares glibc's malloc settings; this process's C library is not glibc"
+
+
+@pytest.mark.skipif(host_memory_module._glibc() is None, reason=NOT_GLIBC)
+def test_quick_run_writes_a_row_per_size(tmp_path):
+    assert host_memory.main(["--quick", "--results-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "host_memory_cpu.json").read_text())
+    (row,) = result["rows"]
+    assert row["size"] == "2x32" and row["default_ms"] > 0 and row["kept_ms"] > 0
+    assert row["speedup"] == pytest.approx(row["default_ms"] / row["kept_ms"])
+    assert (tmp_path / "host_memory_cpu.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("sizes", ["16by512", "0x128", "8x"])
+def test_bad_sizes_name_the_argument(sizes):
+    with pytest.raises(SystemExit, match="--sizes"):
+        host_memory.main(["--sizes", sizes])

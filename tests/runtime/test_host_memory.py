@@ -1,0 +1,105 @@
+"""accel.runtime.host_memory: glibc keeps freed memory, so re-created large tensors cost no page faults."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from accel.runtime import host_memory
+
+GLIBC = host_memory._glibc() is not None and sys.platform.startswith("linux")
+NOT_GLIBC = "keep_freed_memory sets glibc's malloc options; this process's C library is not glibc"
+MIB = 1 << 20
+
+# In a fresh process (mallopt changes the whole process): touch a 64 MiB tensor, free it, 5 times after six
+# warm-up rounds, and count the minor page faults of those 5 rounds. Kept, the heap grows over the first
+# rounds (an aligned request may not fit the block just freed) and then serves every round from memory it
+# holds (16384 faults in rounds 1, 3, 4, 5 of 16 on glibc 2.36, none after).
+_PROBE = textwrap.dedent("""
+    import resource, sys
+    import torch
+    from accel.runtime.host_memory import keep_freed_memory, keeps_freed_memory
+    if sys.argv[1] == "keep":
+        assert keep_freed_memory() and keeps_freed_memory()
+    def touch():
+        t = torch.empty(64 << 20, dtype=torch.uint8)
+        t.fill_(1)
+        del t
+    for _ in range(6):
+        touch()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        touch()
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+""")
+
+
+def _faults(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not GLIBC, reason=NOT_GLIBC)
+def test_a_recreated_large_tensor_reuses_mapped_memory():
+    # glibc's default maps a 64 MiB block afresh each time: at least a fault per 2 MiB page (a huge page
+    # where the kernel gives one), 5 x 32; kept, the memory stays mapped: next to none of its 4 KiB pages
+    # fault again (5 x 16384 of them are touched)
+    assert _faults("default") >= 5 * 64 * MIB // (2 * MIB)
+    assert _faults("keep") <= 5 * 64 * MIB // 4096 // 100
+
+
+class _FakeLibc:
+    """Records mallopt calls; returns what glibc returns on success (1)."""
+
+    def __init__(self, result=1):
+        self.calls, self.result = [], result
+
+    def mallopt(self, option, value):
+        self.calls.append((option, value))
+        return self.result
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    monkeypatch.setattr(host_memory, "_kept", False)
+    monkeypatch.setattr(host_memory, "_preloaded_allocator", lambda: None)
+    libc = _FakeLibc()
+    monkeypatch.setattr(host_memory, "_glibc", lambda: libc)
+    return libc
+
+
+def test_sets_no_mmap_and_no_trimming_once(fresh):
+    assert host_memory.keep_freed_memory() is True
+    # glibc <malloc.h>: M_MMAP_MAX -4, M_TRIM_THRESHOLD -1; the largest int mallopt takes
+    assert fresh.calls == [(-4, 0), (-1, 2**31 - 1)]
+    assert host_memory.keep_freed_memory() is True and len(fresh.calls) == 2
+    assert host_memory.keeps_freed_memory()
+
+
+def test_changes_nothing_where_malloc_is_not_glibc(fresh, monkeypatch):
+    monkeypatch.setattr(host_memory, "_glibc", lambda: None)
+    assert host_memory.keep_freed_memory() is False
+    assert not host_memory.keeps_freed_memory()
+
+
+def test_leaves_a_preloaded_allocator_alone(fresh, monkeypatch):
+    monkeypatch.setattr(host_memory, "_preloaded_allocator", lambda: "jemalloc")
+    assert host_memory.keep_freed_memory() is False
+    assert fresh.calls == []
+
+
+def test_a_refused_option_is_reported(fresh):
+    fresh.result = 0
+    assert host_memory.keep_freed_memory() is False
+    assert not host_memory.keeps_freed_memory()
+
+
+def test_finds_a_preloaded_allocator_in_the_process_maps(monkeypatch, tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 42 /usr/lib/x86_64-linux-gnu/libtcmalloc.so.4\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(maps if path == "/proc/self/maps" else path,
+                                                                        *a, **k))
+    assert host_memory._preloaded_allocator() == "tcmalloc"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 42 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+    assert host_memory._preloaded_allocator() is None
