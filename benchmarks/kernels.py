@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from accel.runtime.host_memory import keep_freed_memory  # noqa: E402
 from accel.utils.dynamo import allow_recompiles  # noqa: E402
 from benchmarks import _report, kernel_cases  # noqa: E402
 
@@ -87,8 +88,11 @@ def main(argv=None) -> int:
     # The cases compile one function per op for every size and dtype (and the closures of one lambda share
     # its cache): past Dynamo's default limit of 8 the rest would run eagerly and be timed as "compiled".
     allow_recompiles(64)
-    bw = copy_bandwidth(args.device)
     env = _report.environment(args.device)
+    # On the CPU, ours and the peers alike run with freed memory kept (what accelerate() sets there): outputs
+    # over 32 MiB otherwise cost their page faults every call, which timed the allocator rather than the op
+    env["keep_freed_memory"] = not args.device.startswith("cuda") and keep_freed_memory()
+    bw = copy_bandwidth(args.device)
     print(f"device: {env['device']}   torch {env['torch']}   copy bandwidth {bw / 1e9:.1f} GB/s\n")
 
     rows, skipped = [], []
