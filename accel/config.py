@@ -121,8 +121,8 @@ class MemoryConfig(_Section):
         names accel.auto_checkpoint finds the repeated blocks itself.
     gc_cnt: checkpoint only the first gc_cnt blocks (None: all of them).
     keep_freed_memory: for models that run on the CPU, glibc's malloc keeps freed memory for reuse
-        (accel.runtime.host_memory): large tensors stop costing page faults every step, and the process
-        keeps its peak heap size.
+        (accel.runtime.host_memory): large tensors stop costing page faults every step; the process
+        keeps its heap at its peak (more where tensor sizes change every step: switch it off there).
     """
 
     _prefix = "memory"
