@@ -7,8 +7,10 @@ import pytest
 
 from accel.runtime import host_memory
 
-GLIBC = host_memory._glibc() is not None and sys.platform.startswith("linux")
-NOT_GLIBC = "keep_freed_memory sets glibc's malloc options; this process's C library is not glibc"
+GLIBC = (host_memory._glibc() is not None and sys.platform.startswith("linux")
+         and host_memory._preloaded_allocator() is None)
+NOT_GLIBC = ("keep_freed_memory sets glibc's malloc options; this process's malloc is not glibc's (another C "
+             "library, or jemalloc / tcmalloc / mimalloc preloaded)")
 MIB = 1 << 20
 
 # In a fresh process (mallopt changes the whole process): touch a 64 MiB tensor and free it, 6 warm-up rounds
