@@ -73,7 +73,3 @@ def keep_freed_memory() -> bool:
     _kept = libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _INT_MAX) == 1
     return _kept
 
-
-def keeps_freed_memory() -> bool:
-    """Whether keep_freed_memory() has taken effect in this process."""
-    return _kept

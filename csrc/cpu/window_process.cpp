@@ -43,7 +43,7 @@ Geometry geometry(int64_t B, int64_t H, int64_t W, int64_t ws, int64_t shift) {
 // (ww*ws + dw) mod W on, dh in [0, H) and dw in [0, W).
 template <bool kIntoWindows>
 void copy_window_rows(const at::Tensor& src, at::Tensor& dst, const Geometry& g, int64_t dh, int64_t dw) {
-  const int64_t pixel_bytes = g.B == 0 || dst.numel() == 0 ? 0 : dst.numel() / (g.B * g.H * g.W) * dst.element_size();
+  const int64_t pixel_bytes = dst.numel() == 0 ? 0 : dst.numel() / (g.B * g.H * g.W) * dst.element_size();
   if (pixel_bytes == 0) return;
   const char* in = static_cast<const char*>(src.const_data_ptr());
   char* out = static_cast<char*>(dst.mutable_data_ptr());
