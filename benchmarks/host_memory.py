@@ -91,6 +91,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.sizes, args.layers, args.steps, args.rounds, args.tiny = "2x32", 1, 1, 1, True
+    for name in ("layers", "steps", "rounds"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name}: expected an int >= 1, got {getattr(args, name)}")
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     for s in sizes:
         _parse_size(s)

@@ -24,3 +24,9 @@ def test_quick_run_writes_a_row_per_size(tmp_path):
 def test_bad_sizes_name_the_argument(sizes):
     with pytest.raises(SystemExit, match="--sizes"):
         host_memory.main(["--sizes", sizes])
+
+
+@pytest.mark.parametrize("flag", ["--layers", "--steps", "--rounds"])
+def test_counts_below_one_name_the_argument(flag):
+    with pytest.raises(SystemExit, match=flag):
+        host_memory.main([flag, "0"])
