@@ -95,6 +95,8 @@ def main(argv=None) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name}: expected an int >= 1, got {getattr(args, name)}")
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    if not sizes:
+        raise SystemExit("--sizes: expected at least one BATCHxSEQ entry, such as 16x512")
     for s in sizes:
         _parse_size(s)
     if args.worker:

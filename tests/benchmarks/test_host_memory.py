@@ -20,7 +20,7 @@ def test_quick_run_writes_a_row_per_size(tmp_path):
     assert (tmp_path / "host_memory_cpu.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("sizes", ["16by512", "0x128", "8x"])
+@pytest.mark.parametrize("sizes", ["16by512", "0x128", "8x", ","])
 def test_bad_sizes_name_the_argument(sizes):
     with pytest.raises(SystemExit, match="--sizes"):
         host_memory.main(["--sizes", sizes])
