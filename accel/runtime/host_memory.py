@@ -6,7 +6,8 @@ its large tensors every step (BERT's 3072-wide activations, attention scores, th
 is new memory that the kernel faults in and zeroes page by page, every step. On a 2-core AMD EPYC (glibc
 2.36) `x * 2` on 38.5 MB took 10.3 ms that way and 2.0-2.6 ms with the freed memory kept; an eager fp32
 4-layer BERT-base training step at batch 16 x 512 took 12.8-14.7 s against 9.5-9.9 s
-(benchmarks/host_memory.py).
+(benchmarks/host_memory.py), and accelerate()'s compiled bf16 BERT-base step at 16 x 512 10.7-11.1 s against
+6.2-6.7 s (benchmarks/results/host_memory_cpu_accel_16x512.json).
 
 keep_freed_memory() sets two of glibc's malloc options (mallopt): large blocks come from the heap like small
 ones (M_MMAP_MAX = 0), and freed heap memory is not handed back to the system (M_TRIM_THRESHOLD at its
