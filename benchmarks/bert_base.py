@@ -100,7 +100,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import ctypes
 import dataclasses
 import gc
 import math
@@ -121,7 +120,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from accel.runtime.host_memory import keep_freed_memory  # noqa: E402
+from accel.runtime.host_memory import keep_freed_memory, return_freed_memory  # noqa: E402
 from benchmarks import _report  # noqa: E402
 
 MODES = ("eager", "eager-amp", "peer", "accel-kernels", "accel-xla", "accel")
@@ -343,8 +342,7 @@ def release_memory() -> None:
     torch._dynamo.reset()  # compiled graphs and CUDA graph pools of the previous mode
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    with contextlib.suppress(OSError, AttributeError):  # glibc keeps freed arenas otherwise: RSS would not drop
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return_freed_memory()  # glibc keeps freed arenas otherwise: RSS would not drop
 
 
 class PeakMemory:

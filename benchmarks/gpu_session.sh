@@ -11,8 +11,9 @@
 # (~30 s) included; a second call within 30 s finds the machine warm (the build is then a cache hit).
 # 2026-11-26 on an H200: build 53 s, the tests ~250 s with -n 16, each compiled bert_base row ~35 s of
 # compiling. 2026-11-27 on an H100: both trees' builds (16 at once) 123 s; the six changed ops' test files
-# 246 s (before OMP_NUM_THREADS=1); kernels.py of 3 ops with peers ~100 s, ours only ~20 s an op. bert_base runs the headline rows first (peer and accel of every size) and stops starting rows
-# when its budget is spent. BERT_ARGS replaces bert_base's workload arguments (default: --workload both
+# 246 s (before OMP_NUM_THREADS=1); kernels.py of 3 ops with peers ~100 s, ours only ~20 s an op.
+# bert_base runs the headline rows first (peer and accel of every size) and stops starting rows when its
+# budget is spent. BERT_ARGS replaces bert_base's workload arguments (default: --workload both
 # --fixed-sizes 32x128,256x128,64x512; e.g. "--workload guide --modes peer,accel"), KERNELS_ARGS adds
 # arguments to kernels.py; PROFILE_SIZE (default 32x128) is step_profile's size.
 # STEPS picks steps by name, in the order below; the default is all of them:
@@ -155,8 +156,7 @@ if want crash_bt; then
 fi
 if want pytest; then
   # TESTS_FIRST (paths): collected, so run, first; pytest drops them where the folders name them again
-  # shellcheck disable=SC2086  # TESTS_FIRST is a list of paths
-  # shellcheck disable=SC2086  # PYTEST_PATHS is a list of paths
+  # shellcheck disable=SC2086  # TESTS_FIRST and PYTEST_PATHS are lists of paths
   mapfile -t TESTS < <(existing_paths ${TESTS_FIRST:-} ${PYTEST_PATHS:-tests/runtime tests/amp tests/data \
     tests/compiler tests/test_checkpoint.py tests/test_accelerate.py tests/test_config.py})
   # -v: one line per test as it ends, so a run stopped by its timeout still shows what failed

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import gc
 import json
 import os
@@ -35,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from accel.checkpoint import activation_bytes, auto_checkpoint, checkpoint_plan  # noqa: E402
+from accel.runtime.host_memory import return_freed_memory  # noqa: E402
 from benchmarks import _report  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -96,10 +96,7 @@ def release_host_memory() -> None:
     glibc keeps in its arenas (measured: +2.5 GB RSS per BERT-base plan, all of it returned by
     malloc_trim), so a long sweep on CPU would otherwise run out of memory."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    return_freed_memory()
 
 
 def budget_sweep(model, inputs, plain_bytes: int) -> list[dict]:

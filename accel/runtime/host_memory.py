@@ -74,3 +74,10 @@ def keep_freed_memory() -> bool:
     _kept = libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _INT_MAX) == 1
     return _kept
 
+
+def return_freed_memory() -> bool:
+    """Hand the heap's free memory back to the system now (glibc's malloc_trim), also after
+    keep_freed_memory(): between phases of different sizes, where what one phase freed would otherwise
+    stay mapped (a benchmark's next row, say). Returns whether glibc released any; False elsewhere."""
+    libc = _glibc()
+    return libc is not None and libc.malloc_trim(0) == 1
