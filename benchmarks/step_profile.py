@@ -2,10 +2,15 @@
 
 bert_base.py says how fast each mode trains; this says why. Each mode (bert_base.py's set-ups: peer, accel,
 eager-amp, ...) is set up on one fixed size, warmed up (compiles and CUDA-graph recording happen there), and
-then a few steps run under torch.profiler. Reported per mode and step: wall time, the time kernels kept the
-device busy (on the CPU: the self time of the ops), the gap between the two (launch and host overhead,
-syncs), and the busy time split into kinds of kernel (matmul, attention, fused elementwise by Inductor, the
-optimizer, copies, ...) plus the top kernels by time. A mode ahead by x% shows here which kinds it wins on.
+then a few steps run under torch.profiler, each taking its batch from the mode's loader as a training loop
+does (accel's Prefetcher and its thread included). Reported per mode and step: wall time, the host's time to
+issue the steps (up to the final wait for the device: when it is close to the wall time, the host is the
+bottleneck), the time kernels kept the device busy (on the CPU: the self time of the ops), the gap between
+wall and busy (launch and host overhead, syncs), the busy time split into kinds of kernel (matmul, attention,
+fused elementwise by Inductor, the optimizer, copies, ...), the top kernels by time, and on CUDA the host's
+calls into the CUDA runtime and driver by kind: kernel launches outside CUDA graphs, graph launches, syncs and
+copies (a compiled step whose CUDA graphs were skipped shows hundreds of kernel launches and no graph launch).
+A mode ahead by x% shows here which kinds it wins on.
 
     python benchmarks/step_profile.py [--size 32x128] [--modes peer,accel] [--steps 5] [--top 15] [--quick]
 
@@ -65,19 +70,52 @@ def kernel_times(prof, device: torch.device) -> dict[str, tuple[int, float]]:
     return out
 
 
+# The host's calls into the CUDA runtime and driver, by kind (first match wins); the profiler records them as
+# CPU events named after the API function.
+HOST_CALLS = (
+    ("graph launches", r"^cu(da)?GraphLaunch"),
+    ("kernel launches", r"^cu(da)?LaunchKernel|^cuLaunchCooperativeKernel"),
+    ("syncs", r"Synchronize$"),
+    ("copies", r"^cu(da)?Memcpy"),
+)
+
+
+def host_calls(prof, steps: int) -> dict[str, float]:
+    """Calls per step of each HOST_CALLS kind (none on the CPU)."""
+    counts = {kind: 0.0 for kind, _ in HOST_CALLS}
+    for e in prof.key_averages():
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        for kind, pattern in HOST_CALLS:
+            if re.search(pattern, e.key):
+                counts[kind] += e.count / steps
+                break
+    return counts
+
+
+def host_top(prof, steps: int, top: int) -> list[dict]:
+    """The host's costliest ops and calls (self CPU time per step, every thread: a loader's too)."""
+    events = [e for e in prof.key_averages()
+              if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0
+              and not e.key.startswith("ProfilerStep")]
+    events.sort(key=lambda e: -e.self_cpu_time_total)
+    return [{"name": e.key, "calls_per_step": e.count / steps, "ms_per_step": e.self_cpu_time_total / steps / 1e3}
+            for e in events[:top]]
+
+
 def profile_mode(mode: str, ctx: bb.Context, warmup: int, steps: int, top: int) -> dict:
     row = {"mode": mode}
     try:
         run = bb.SETUPS[mode](ctx)
         for _ in range(warmup):
             run.step(next(run.batches))
-        batches = [next(run.batches) for _ in range(steps)]
         bb.device_sync(run.device)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             start = time.perf_counter()
-            for batch in batches:
-                run.step(batch)
+            for _ in range(steps):
+                run.step(next(run.batches))  # the loader's work is part of a training step's host time
+            issued = time.perf_counter() - start
             bb.device_sync(run.device)
             wall = time.perf_counter() - start
     except bb.Skip as reason:
@@ -94,7 +132,9 @@ def profile_mode(mode: str, ctx: bb.Context, warmup: int, steps: int, top: int) 
     wall_ms, busy_ms = wall / steps * 1e3, busy_us / steps / 1e3
     return {**row, "status": "ok", "precision": run.precision, "steps": steps,
             # the profiler's own cost inflates wall time a little, and the same for every mode
-            "wall_ms": wall_ms, "busy_ms": busy_ms, "gap_ms": max(wall_ms - busy_ms, 0.0),
+            "wall_ms": wall_ms, "host_ms": issued / steps * 1e3, "busy_ms": busy_ms,
+            "gap_ms": max(wall_ms - busy_ms, 0.0), "host_calls": host_calls(prof, steps),
+            "host_top": host_top(prof, steps, top) if run.device.type == "cuda" else [],  # on the CPU "top" lists the ops
             "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "top": [{"name": n, "calls_per_step": c / steps, "ms_per_step": t / steps / 1e3, "kind": kind_of(n)}
                     for n, (c, t) in ranked]}
@@ -109,15 +149,24 @@ def print_report(rows: list[dict]) -> None:
         return
     kinds = sorted({k for r in ok for k in r["kinds_ms"]}, key=lambda k: -max(r["kinds_ms"].get(k, 0) for r in ok))
     table = [{"what": "wall ms / step", **{r["mode"]: r["wall_ms"] for r in ok}},
+             {"what": "host ms / step (issuing)", **{r["mode"]: r["host_ms"] for r in ok}},
              {"what": "busy ms / step", **{r["mode"]: r["busy_ms"] for r in ok}},
              {"what": "gap ms / step", **{r["mode"]: r["gap_ms"] for r in ok}}]
     table += [{"what": f"  {k}", **{r["mode"]: r["kinds_ms"].get(k, 0.0) for r in ok}} for k in kinds]
+    if any(any(r["host_calls"].values()) for r in ok):
+        table += [{"what": f"{kind} / step", **{r["mode"]: r["host_calls"][kind] for r in ok}}
+                  for kind, _ in HOST_CALLS]
     _report.print_table(table, [("what", "per step", "")] + [(r["mode"], r["mode"], ".3f") for r in ok])
     for r in ok:
         print(f"\ntop kernels, {r['mode']} ({r['precision']})")
         _report.print_table([{**t, "name": t["name"][:90]} for t in r["top"]],
                             [("ms_per_step", "ms/step", ".3f"), ("calls_per_step", "calls", ".0f"),
                              ("kind", "kind", ""), ("name", "name", "")])
+        if r["host_top"]:
+            print(f"\ntop host ops and CUDA calls, {r['mode']} (self CPU time, every thread)")
+            _report.print_table([{**t, "name": t["name"][:90]} for t in r["host_top"]],
+                                [("ms_per_step", "ms/step", ".3f"), ("calls_per_step", "calls", ".0f"),
+                                 ("name", "name", "")])
 
 
 def plot(rows: list[dict], title: str):

@@ -1,8 +1,7 @@
 // Fused Swin window attention scores on CUDA: softmax(attn + relative_pos_bias + attn_mask) over the
 // last dim, and its backward (see csrc/cpu/fmha.cpp for the schemas and shapes).
 //
-// Forward: one warp per row of N <= 1024 scores (four rows at a time up to N = 256, two above, for
-// memory-level parallelism; the backward likewise).
+// Forward: one warp per row of N <= 1024 scores (two rows at a time, for memory-level parallelism).
 // Each lane keeps its ceil(N/32) values in registers (KPT, a template parameter picked from N), so
 // attn is read once and the output written once; the max and the sum are fp32 (fp64 for double)
 // warp-shuffle reductions. bias/mask rows are tiny and shared by many rows, so they stay in cache.
@@ -51,15 +50,9 @@ __device__ __forceinline__ T warp_sum(T v) {
 __device__ __forceinline__ float exp_op(float v) { return expf(v); }
 __device__ __forceinline__ double exp_op(double v) { return exp(v); }
 
-// Rows a warp handles at once, forward and backward: their loads are all issued before the first reduction
-// (Swin rows are short: 49 values, under 2 per lane). Four for rows of up to 256 values (with two, Swin's
-// 49 took 0.84x torch.compile's time in the forward at 36% of the copy bandwidth on an H200, the same time
-// in fp16 as in fp32: latency, not bytes; the backward 27-49%), two above, where the values of four rows
-// would crowd the registers.
-template <int KPT>
-constexpr int rows_at_once() {
-  return KPT <= 8 ? 4 : 2;
-}
+// Rows each warp handles at once: their loads are all issued before the first reduction, so a
+// warp keeps twice the bytes in flight (Swin rows are short: 49 values, under 2 per lane).
+constexpr int kRows = 2;
 
 // Row r of attn [B*nW, nH, N, N] is query i = r % N of head h = (r / N) % nH of window-batch row
 // bw = r / (N*nH), whose mask is window bw % nW. The three divisions cost more than the softmax of a
@@ -87,22 +80,21 @@ __device__ __forceinline__ void bias_and_mask_rows(int64_t r, const RowMap& m, i
   }
 }
 
-// Forward. Warp q handles rows R*q ... R*q+R-1, R = rows_at_once<KPT>().
+// Forward. Warp q handles rows kRows*q ... kRows*q+kRows-1.
 template <typename scalar_t, int KPT>
 __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const at::opmath_type<scalar_t>* __restrict__ bias,
                                 const at::opmath_type<scalar_t>* __restrict__ mask, scalar_t* __restrict__ out,
                                 int64_t rows, RowMap map) {
   using acc_t = at::opmath_type<scalar_t>;
-  constexpr int R = rows_at_once<KPT>();
   const int N = static_cast<int>(map.N.d);
   const int lane = threadIdx.x % kWarp;
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp) * R;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp) * kRows;
   if (first >= rows) return;  // uniform over the warp: whole warps leave, shuffles stay full
 
-  acc_t v[R][KPT];
-  acc_t mx[R];
+  acc_t v[kRows][KPT];
+  acc_t mx[kRows];
 #pragma unroll
-  for (int q = 0; q < R; ++q) {
+  for (int q = 0; q < kRows; ++q) {
     const int64_t row = first + q;
     mx[q] = -std::numeric_limits<acc_t>::infinity();
     const bool valid = row < rows;  // uniform over the warp
@@ -121,10 +113,10 @@ __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const at::opm
     }
   }
 #pragma unroll
-  for (int q = 0; q < R; ++q) mx[q] = warp_max(mx[q]);
-  acc_t sum[R];
+  for (int q = 0; q < kRows; ++q) mx[q] = warp_max(mx[q]);
+  acc_t sum[kRows];
 #pragma unroll
-  for (int q = 0; q < R; ++q) {
+  for (int q = 0; q < kRows; ++q) {
     sum[q] = 0;
 #pragma unroll
     for (int k = 0; k < KPT; ++k) {
@@ -135,9 +127,9 @@ __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const at::opm
     }
   }
 #pragma unroll
-  for (int q = 0; q < R; ++q) sum[q] = warp_sum(sum[q]);
+  for (int q = 0; q < kRows; ++q) sum[q] = warp_sum(sum[q]);
 #pragma unroll
-  for (int q = 0; q < R; ++q) {
+  for (int q = 0; q < kRows; ++q) {
     if (first + q >= rows) break;
     const acc_t inv = acc_t(1) / sum[q];
     scalar_t* y = out + (first + q) * N;
@@ -151,7 +143,7 @@ __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const at::opm
 
 // Backward, fused with the first stage of the bias-gradient reduction.
 // Block blockIdx.x = c * (nH*N) + e owns bias row e = h*N + i and windows [c*chunk, (c+1)*chunk);
-// its warps take R = rows_at_once<KPT>() windows at a time.
+// its warps take kRows windows at a time.
 template <typename scalar_t, int KPT>
 __global__ void fmha_bwd_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ out,
                                 scalar_t* __restrict__ dx, at::opmath_type<scalar_t>* __restrict__ partial,
@@ -170,11 +162,10 @@ __global__ void fmha_bwd_kernel(const scalar_t* __restrict__ grad, const scalar_
 #pragma unroll
   for (int k = 0; k < KPT; ++k) acc[k] = 0;
 
-  constexpr int R = rows_at_once<KPT>();
-  for (int64_t bw0 = c * chunk + warp; bw0 < bw_end; bw0 += R * warps) {
-    acc_t g[R][KPT], y[R][KPT], dot[R];
+  for (int64_t bw0 = c * chunk + warp; bw0 < bw_end; bw0 += kRows * warps) {
+    acc_t g[kRows][KPT], y[kRows][KPT], dot[kRows];
 #pragma unroll
-    for (int q = 0; q < R; ++q) {
+    for (int q = 0; q < kRows; ++q) {
       const int64_t bw = bw0 + q * warps;
       const int64_t base = (bw * bias_rows + e) * N;
       dot[q] = 0;
@@ -188,9 +179,9 @@ __global__ void fmha_bwd_kernel(const scalar_t* __restrict__ grad, const scalar_
       }
     }
 #pragma unroll
-    for (int q = 0; q < R; ++q) dot[q] = warp_sum(dot[q]);
+    for (int q = 0; q < kRows; ++q) dot[q] = warp_sum(dot[q]);
 #pragma unroll
-    for (int q = 0; q < R; ++q) {
+    for (int q = 0; q < kRows; ++q) {
       const int64_t bw = bw0 + q * warps;
       if (bw >= bw_end) break;  // uniform over the warp
       const int64_t base = (bw * bias_rows + e) * N;
@@ -260,6 +251,9 @@ at::Tensor fmha_fwd_cuda(const at::Tensor& attn_, const at::Tensor& bias_, const
   const int64_t nH = attn.size(1), N = attn.size(2);
   const int64_t rows = attn.size(0) * nH * N;
   constexpr int threads = 256;
+  constexpr int rows_per_block = threads / kWarp * kRows;
+  const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
+  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "fmha_swin_fwd: too many rows (", rows, ")");
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "fmha_swin_fwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -271,9 +265,6 @@ at::Tensor fmha_fwd_cuda(const at::Tensor& attn_, const at::Tensor& bias_, const
     const RowMap map{FastDiv32(static_cast<uint32_t>(N)), FastDiv32(static_cast<uint32_t>(nH)),
                      FastDiv32(static_cast<uint32_t>(window_num)), rows <= std::numeric_limits<int32_t>::max()};
     dispatch_kpt(static_cast<int>(N), [&](auto kpt) {
-      constexpr int rows_per_block = threads / kWarp * rows_at_once<decltype(kpt)::value>();
-      const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
-      TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "fmha_swin_fwd: too many rows (", rows, ")");
       fmha_fwd_kernel<scalar_t, decltype(kpt)::value><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
           attn.const_data_ptr<scalar_t>(), bias.const_data_ptr<acc_t>(), m, out.mutable_data_ptr<scalar_t>(),
           rows, map);
@@ -307,8 +298,7 @@ std::tuple<at::Tensor, at::Tensor> fmha_bwd_cuda(const at::Tensor& grad_, const 
     // allows: fewer chunks mean fewer partial rows for the second stage to add up.
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const int64_t want_chunks = std::max<int64_t>(1, (sms * 16 + bias_rows - 1) / bias_rows);
-    // at least one round of rows for every warp (rows_at_once<1>(): the most a warp takes at once)
-    const int64_t chunk = std::max<int64_t>(warps * rows_at_once<1>(), (BnW + want_chunks - 1) / want_chunks);
+    const int64_t chunk = std::max<int64_t>(warps * kRows, (BnW + want_chunks - 1) / want_chunks);
     const int64_t chunks = (BnW + chunk - 1) / chunk;
     const int64_t blocks = chunks * bias_rows;
     TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "fmha_swin_bwd: too many rows");

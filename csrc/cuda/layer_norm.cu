@@ -2,8 +2,9 @@
 //
 // x is [M, N] (rows x normalized size). Forward and dx: a team of `tpr` threads per row, tpr a
 // power of two from 32 (one warp per row, several rows per block: small and medium N) up to 1024
-// (one block per row: large N), so no thread handles more than a few dozen elements (the forward holds up to
-// four vectors a thread in registers, kFwdVectors, and reads x once when the team fits 512 threads). A team
+// (one block per row: large N), so no thread handles more than a few dozen elements (the forward of float and
+// double rows holds up to four vectors a thread in registers, kFwdVectors, and reads x once when the team fits
+// 512 threads). A team
 // reduces with warp shuffles and, when wider than a warp, through shared memory. Statistics are
 // in float (double for float64 x): shifted sums per thread, merged across threads as Welford states
 // (a row whose sums overflow, |x| around 1e19 and beyond in float, is redone on exactly scaled
@@ -11,9 +12,8 @@
 //
 // Backward, rows of up to 16 elements per thread of a 512-thread team (N <= 8192; 4096 in double): one
 // pass over x and dy. Each team keeps its part of the row in registers for dx and adds dy*xhat and dy
-// into per-thread dweight/dbias sums over all the rows it takes (16-bit rows: loading the team's next row
-// while it works on this one); a block then writes one fp32 row of partial sums, and column_sum.cuh sums
-// those rows in a fixed order (deterministic, no atomics).
+// into per-thread dweight/dbias sums over all the rows it takes; a block then writes one fp32 row of
+// partial sums, and column_sum.cuh sums those rows in a fixed order (deterministic, no atomics).
 // Wider rows take two sweeps: the dx kernel, then per row-chunk partials of dweight/dbias.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -143,12 +143,16 @@ struct ShiftScale {
 
 // Vectors of a row a forward thread holds in registers (launch_for gives a thread at most this many unless
 // rows are wider than kMaxTeam * kFwdVectors vectors), for teams of up to kHeldMaxTeam threads (whose
-// launch bound leaves 128 registers a thread: bf16 and double spill at 64). All of a thread's loads are
-// issued before the first is used, and the row is read once: statistics and output from the same registers.
-// (Looping over memory instead, a thread's last count % 4 loads are serial: a bf16 row of 768 took three
-// round trips, at 51% of copy bandwidth on an H200.) Wider rows loop over memory.
+// launch bound leaves 128 registers a thread: double spills at 64). All of a thread's loads are issued
+// before the first is used, and the row is read once: statistics and output from the same registers.
+// Float and double rows only. A/B on an H100 against the loop over memory with up to kLoopVectors vectors a
+// thread (benchmarks/results/kernels_ab_cuda_h100_run2.json): float rows of 768 to 4096 1.07-1.23x, 8192
+// and 65536 0.98-1.02x; bf16 rows 0.83-1.05x (8192: 0.83x, its team doubled to 256 threads), so 16-bit
+// rows keep the loop.
 constexpr int kFwdVectors = 4;
 constexpr int kHeldMaxTeam = 512;
+// Vectors a thread takes at most when it loops over the row in memory (16-bit forward, the wide-row dx kernel).
+constexpr int kLoopVectors = 8;
 
 // One thread's (count, mean, M2) of f(x) over the vectors lane, lane + tpr, ... of a row (lane < nvec),
 // its mean as an offset from `base`: sums of (f(x) - shift) and its square, shifted by one of the thread's
@@ -371,29 +375,6 @@ constexpr int fused_vectors() {
   return (sizeof(typename AccOf<T>::type) == 8 ? 8 : 16) / VEC;
 }
 
-// A thread's vectors lane + j * tpr of row `row` of x and dy, and the row's statistics; nothing for a row
-// past M or a vector past the row's end. The loads are all issued before any is used.
-template <typename T, int VEC, int VPT, typename acc_t>
-__device__ __forceinline__ void load_row(const T* __restrict__ x, const T* __restrict__ dy,
-                                         const acc_t* __restrict__ mean, const acc_t* __restrict__ rstd, int64_t row,
-                                         int64_t M, int64_t N, int lane, int tpr, Pack<T, VEC> (&px)[VPT],
-                                         Pack<T, VEC> (&pg)[VPT], acc_t& mu, acc_t& rs) {
-  if (row >= M) return;
-  const Pack<T, VEC>* xr = reinterpret_cast<const Pack<T, VEC>*>(x + row * N);
-  const Pack<T, VEC>* gr = reinterpret_cast<const Pack<T, VEC>*>(dy + row * N);
-  const int64_t nvec = N / VEC;
-#pragma unroll
-  for (int j = 0; j < VPT; ++j) {
-    const int64_t v = lane + (int64_t)j * tpr;
-    if (v < nvec) {
-      px[j] = xr[v];
-      pg[j] = gr[v];
-    }
-  }
-  mu = mean[row];
-  rs = rstd[row];
-}
-
 // Assumptions: blockDim.x = tpr * rows per block, tpr a multiple of 32 with tpr * VPT >= N / VEC and
 // blockDim.x <= kFusedMaxThreads; VEC elements per access, N % VEC == 0 and every pointer aligned to a whole
 // vector; any grid (team t of block b takes rows b * rows per block + t, then every gridDim.x * rows per block
@@ -411,52 +392,39 @@ __global__ void __launch_bounds__(kFusedMaxThreads) layer_norm_bwd_fused_kernel(
   const int lane = threadIdx.x % tpr;
   const int64_t nvec = N / VEC;
   const bool params = partial != nullptr;
-  // 16-bit rows take half the registers of float ones: there the next row's loads are issued before this
-  // row's reduction (two rows in flight, as many bytes as a float row), else a thread's bf16 loads are too
-  // few to cover the memory latency (45-53% of copy bandwidth on an H200 for rows of 768 to 8192).
-  constexpr bool kAhead = VEC > 1 && sizeof(T) == 2;
-  // A thread's vectors are lane + j * tpr, the same in every row: its weights are loaded once, or with
-  // kAhead (whose registers hold the next row) read again where used, from L1.
-  const Pack<P, VEC>* wv = reinterpret_cast<const Pack<P, VEC>*>(w);
+  // A thread's vectors are lane + j * tpr, the same in every row: its weights are loaded once.
   Pack<P, VEC> pw[VPT];
-  if constexpr (!kAhead) {
 #pragma unroll
-    for (int j = 0; j < VPT; ++j)
-      if (w != nullptr && lane + (int64_t)j * tpr < nvec) pw[j] = wv[lane + j * tpr];
-  }
-  const auto weights = [&](int j) {
-    if constexpr (kAhead) {
-      Pack<P, VEC> p;
-      if (w != nullptr) p = wv[lane + j * tpr];
-      return p;
-    } else {
-      return pw[j];
-    }
-  };
+  for (int j = 0; j < VPT; ++j)
+    if (w != nullptr && lane + (int64_t)j * tpr < nvec) pw[j] = reinterpret_cast<const Pack<P, VEC>*>(w)[lane + j * tpr];
   acc_t dw[VPT][VEC], db[VPT][VEC];
 #pragma unroll
   for (int j = 0; j < VPT; ++j)
 #pragma unroll
     for (int k = 0; k < VEC; ++k) dw[j][k] = db[j][k] = acc_t(0);
   const acc_t inv_n = acc_t(1) / static_cast<acc_t>(N);
-  const int64_t stride = (int64_t)gridDim.x * rpb;
-  Pack<T, VEC> px[VPT], pg[VPT];
-  acc_t mu = 0, rs = 0;
-  if constexpr (kAhead)
-    load_row(x, dy, mean, rstd, (int64_t)blockIdx.x * rpb + team, M, N, lane, tpr, px, pg, mu, rs);
-  for (int64_t base = (int64_t)blockIdx.x * rpb; base < M; base += stride) {
+  for (int64_t base = (int64_t)blockIdx.x * rpb; base < M; base += (int64_t)gridDim.x * rpb) {
     const int64_t row = base + team;
     const bool valid = row < M;
-    Pack<T, VEC> nx[kAhead ? VPT : 1], ng[kAhead ? VPT : 1];
-    acc_t nmu = 0, nrs = 0;
-    if constexpr (kAhead) load_row(x, dy, mean, rstd, row + stride, M, N, lane, tpr, nx, ng, nmu, nrs);
-    else load_row(x, dy, mean, rstd, row, M, N, lane, tpr, px, pg, mu, rs);
+    const int64_t r = valid ? row : 0;
+    const Pack<T, VEC>* xr = reinterpret_cast<const Pack<T, VEC>*>(x + r * N);
+    const Pack<T, VEC>* gr = reinterpret_cast<const Pack<T, VEC>*>(dy + r * N);
+    const acc_t mu = mean[r], rs = rstd[r];
+    Pack<T, VEC> px[VPT], pg[VPT];
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {  // all loads first: they are in flight together
+      const int64_t v = lane + (int64_t)j * tpr;
+      if (valid && v < nvec) {
+        px[j] = xr[v];
+        pg[j] = gr[v];
+      }
+    }
     Sums<acc_t> s{acc_t(0), acc_t(0)};
 #pragma unroll
     for (int j = 0; j < VPT; ++j)
-      if (valid && lane + (int64_t)j * tpr < nvec) add_row_sums(px[j], pg[j], weights(j), w, mu, rs, s);
+      if (valid && lane + (int64_t)j * tpr < nvec) add_row_sums(px[j], pg[j], pw[j], w, mu, rs, s);
     s = team_allreduce(s, smem, tpr);
-    if (!valid) continue;  // past the last row: the last iteration
+    if (!valid) continue;
     const acc_t a = s.a * inv_n;
     const acc_t bsum = s.b * inv_n;
     Pack<T, VEC>* dxr = reinterpret_cast<Pack<T, VEC>*>(dx + row * N);
@@ -464,7 +432,7 @@ __global__ void __launch_bounds__(kFusedMaxThreads) layer_norm_bwd_fused_kernel(
     for (int j = 0; j < VPT; ++j) {
       const int64_t v = lane + (int64_t)j * tpr;
       if (v >= nvec) continue;
-      dxr[v] = dx_vector(px[j], pg[j], weights(j), w, mu, rs, a, bsum);
+      dxr[v] = dx_vector(px[j], pg[j], pw[j], w, mu, rs, a, bsum);
       if (!params) continue;
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
@@ -472,15 +440,6 @@ __global__ void __launch_bounds__(kFusedMaxThreads) layer_norm_bwd_fused_kernel(
         dw[j][k] += g * ((static_cast<acc_t>(px[j].v[k]) - mu) * rs);  // dy * xhat: finite for huge x
         db[j][k] += g;
       }
-    }
-    if constexpr (kAhead) {
-#pragma unroll
-      for (int j = 0; j < VPT; ++j) {
-        px[j] = nx[j];
-        pg[j] = ng[j];
-      }
-      mu = nmu;
-      rs = nrs;
     }
   }
   if (!params) return;
@@ -547,16 +506,17 @@ __global__ void layer_norm_bwd_params_partial_kernel(const T* __restrict__ dy, c
 
 inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-// Team width: the smallest power of two >= 32 with at most kFwdVectors vectors per thread, capped at a block.
+// Team width: the smallest power of two >= 32 with at most `vectors` vectors of `vec` elements per thread,
+// capped at a block.
 struct Launch {
   int tpr;
   int threads;
   unsigned blocks;
 };
 
-Launch launch_for(int64_t M, int64_t N, int vec) {
+Launch launch_for(int64_t M, int64_t N, int vec, int vectors) {
   int tpr = kWarp;
-  while (tpr < kMaxTeam && (int64_t)tpr * vec * kFwdVectors < N) tpr *= 2;
+  while (tpr < kMaxTeam && (int64_t)tpr * vec * vectors < N) tpr *= 2;
   const int rpb = std::max(1, 128 / tpr);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want = (M + rpb - 1) / rpb;
@@ -583,16 +543,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cuda(
     const bool vec_ok = N % VEC == 0 && aligned(d.x, 16) && aligned(d.y, 16) &&
                         (d.w == nullptr || aligned(d.w, sizeof(P) * VEC)) &&
                         (d.b == nullptr || aligned(d.b, sizeof(P) * VEC));
-    const Launch l = launch_for(M, N, vec_ok ? VEC : 1);
+    const int vec = vec_ok ? VEC : 1;
+    constexpr bool kHeld = sizeof(T) >= 4;  // see kFwdVectors
+    const Launch l = launch_for(M, N, vec, kHeld ? kFwdVectors : kLoopVectors);
     auto stream = at::cuda::getCurrentCUDAStream();
     const auto run = [&](auto kernel) {
       kernel<<<l.blocks, l.threads, 0, stream>>>(d.x, d.w, d.b, d.y, d.mean, d.rstd, M, N, static_cast<acc_t>(eps),
                                                   l.tpr);
     };
-    const bool held = l.tpr <= kHeldMaxTeam && N / (vec_ok ? VEC : 1) <= (int64_t)l.tpr * kFwdVectors;
-    if (vec_ok && held) run(layer_norm_fwd_kernel<T, P, VEC, true>);
+    const bool held = kHeld && l.tpr <= kHeldMaxTeam && N / vec <= (int64_t)l.tpr * kFwdVectors;
+    if (vec_ok && held) run(layer_norm_fwd_kernel<T, P, VEC, kHeld>);
     else if (vec_ok) run(layer_norm_fwd_kernel<T, P, VEC, false>);
-    else if (held) run(layer_norm_fwd_kernel<T, P, 1, true>);
+    else if (held) run(layer_norm_fwd_kernel<T, P, 1, kHeld>);
     else run(layer_norm_fwd_kernel<T, P, 1, false>);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -671,7 +633,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
       return;
     }
 
-    const Launch l = launch_for(M, N, vec);
+    const Launch l = launch_for(M, N, vec, kLoopVectors);
     if (vec_ok) {
       layer_norm_bwd_dx_kernel<T, P, VEC><<<l.blocks, l.threads, 0, stream>>>(
           d.dy, d.x, d.mean, d.rstd, d.w, d.dx, M, N, l.tpr);

@@ -1,7 +1,9 @@
 """benchmarks/step_profile.py on the CPU (tiny BERT): the rows it writes and how it sorts kernel names."""
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from benchmarks import step_profile
 
@@ -27,7 +29,8 @@ def test_a_profiled_mode_splits_its_step(tmp_path):
     result = json.loads((tmp_path / "step_profile_cpu.json").read_text())
     (row,) = result["rows"]
     assert row["status"] == "ok" and row["mode"] == "eager" and result["workload"] == "fixed 4x32"
-    assert 0 < row["busy_ms"] and row["gap_ms"] >= 0
+    assert 0 < row["busy_ms"] and row["gap_ms"] >= 0 and 0 < row["host_ms"] <= row["wall_ms"]
+    assert row["host_calls"] == {"graph launches": 0, "kernel launches": 0, "syncs": 0, "copies": 0}  # no CUDA
     assert sum(row["kinds_ms"].values()) == pytest.approx(row["busy_ms"], rel=1e-6)
     assert len(row["top"]) == 3 and row["top"][0]["ms_per_step"] >= row["top"][-1]["ms_per_step"]
     assert (tmp_path / "step_profile_cpu.png").stat().st_size > 0
@@ -38,3 +41,18 @@ def test_bad_size_names_the_argument():
         step_profile.main(["--size", "32by128"])
     with pytest.raises(Exception, match="--size: expected BATCHxSEQ"):
         step_profile.parse_size("32by128")
+
+
+def test_host_calls_count_the_cuda_api_by_kind_and_host_top_ranks_cpu_time():
+    # what the profiler's key_averages() gives on CUDA: runtime and driver calls are CPU events; kernels are not
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    events = [SimpleNamespace(key=k, count=c, device_type=d, self_cpu_time_total=10 * c) for k, c, d in [
+        ("cudaGraphLaunch", 4, cpu), ("cudaLaunchKernel", 600, cpu), ("cuLaunchKernel", 200, cpu),
+        ("cuLaunchKernelEx", 2, cpu), ("cudaStreamSynchronize", 2, cpu), ("cudaDeviceSynchronize", 1, cpu),
+        ("cudaMemcpyAsync", 6, cpu), ("aten::mm", 80, cpu), ("triton_poi_fused_add_0", 50, cuda)]]
+    prof = SimpleNamespace(key_averages=lambda: events)
+    assert step_profile.host_calls(prof, steps=2) == {"graph launches": 2, "kernel launches": 401, "syncs": 1.5,
+                                                      "copies": 3}
+    top = step_profile.host_top(prof, steps=2, top=2)
+    assert [(t["name"], t["calls_per_step"], t["ms_per_step"]) for t in top] == [
+        ("cudaLaunchKernel", 300, 3.0), ("cuLaunchKernel", 100, 1.0)]
