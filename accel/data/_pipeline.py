@@ -13,6 +13,7 @@ import threading
 import torch
 
 from accel.utils.batch import SideStreamCopy, move_to_device
+from accel.utils.threads_at_exit import close_at_exit
 
 # How often a blocked thread looks at the stop flag; short enough that close() returns promptly.
 _POLL_S = 0.05
@@ -50,6 +51,7 @@ class TransferPipeline:
         ]
         for thread in self.threads:
             thread.start()
+        close_at_exit(self)  # a pipeline still reading when the script ends
 
     def _put(self, q: queue.Queue, item) -> bool:
         while not self.stop.is_set():

@@ -40,6 +40,7 @@ from concurrent.futures import Future
 import torch
 
 from accel.utils.batch import SideStreamCopy, move_to_device, resolve_device
+from accel.utils.threads_at_exit import close_at_exit
 from accel.utils.xla import is_xla_device
 
 
@@ -175,6 +176,7 @@ class _Pass:
         self.copy: Future | None = None
         self.worker = _Worker("accel-Prefetcher")
         self.closed = False
+        close_at_exit(self)  # a pass still open when the script ends
         self.prefetch_device()  # the first batch is needed at once
 
     def _read(self):
