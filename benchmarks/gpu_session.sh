@@ -15,7 +15,8 @@
 # bert_base runs the headline rows first (peer and accel of every size) and stops starting rows when its
 # budget is spent. BERT_ARGS replaces bert_base's workload arguments (default: --workload both
 # --fixed-sizes 32x128,256x128,64x512; e.g. "--workload guide --modes peer,accel"), KERNELS_ARGS adds
-# arguments to kernels.py; PROFILE_SIZE (default 32x128) is step_profile's size.
+# arguments to kernels.py; PROFILE_SIZE (default 32x128) is step_profile's size, PROFILE_MODES (default peer,accel)
+# its modes (bert_base.py's, accel:FIELD=VALUE variants too).
 # STEPS picks steps by name, in the order below; the default is all of them:
 # env     environment (nvidia-smi, versions)              -> $OUT/env.log
 # build   every kernel in csrc/ built, 7 in parallel       -> $OUT/build_<op>.log (cache: $ACCEL_EXT_DIR under /root)
@@ -179,7 +180,8 @@ if want bert_base; then
 fi
 if want step_profile; then
   # where the step's time goes, peer against accel, at the size where accel leads least (two compiles)
-  step step_profile "$(budget step_profile 150)" "$PY" benchmarks/step_profile.py --size "${PROFILE_SIZE:-32x128}"
+  step step_profile "$(budget step_profile 150)" "$PY" benchmarks/step_profile.py --size "${PROFILE_SIZE:-32x128}" \
+    --modes "${PROFILE_MODES:-peer,accel}"
   collect_results
 fi
 if want multi_stream; then

@@ -14,6 +14,9 @@ A mode ahead by x% shows here which kinds it wins on.
 
     python benchmarks/step_profile.py [--size 32x128] [--modes peer,accel] [--steps 5] [--top 15] [--quick]
 
+--modes takes bert_base.py's modes, its accel:FIELD=VALUE variants too: e.g. accel:compute.cuda_graphs=false
+beside accel shows what CUDA graphs save the host (nothing, if accel's graphs were skipped).
+
 Writes <results-dir>/step_profile_<device>.json and .png (default benchmarks/results/).
 """
 from __future__ import annotations
@@ -106,7 +109,8 @@ def host_top(prof, steps: int, top: int) -> list[dict]:
 def profile_mode(mode: str, ctx: bb.Context, warmup: int, steps: int, top: int) -> dict:
     row = {"mode": mode}
     try:
-        run = bb.SETUPS[mode](ctx)
+        base, overrides = bb.split_mode(mode)  # accel:F=V rows: accel with Config fields set otherwise
+        run = bb.SETUPS[base](ctx, overrides) if overrides else bb.SETUPS[base](ctx)
         for _ in range(warmup):
             run.step(next(run.batches))
         bb.device_sync(run.device)

@@ -24,11 +24,13 @@ def test_kinds_of_kernel_names(name, kind):
 
 
 def test_a_profiled_mode_splits_its_step(tmp_path):
-    assert step_profile.main(["--quick", "--device", "cpu", "--modes", "eager", "--warmup", "1", "--steps", "1",
-                              "--top", "3", "--results-dir", str(tmp_path)]) == 0
+    # an accel:FIELD=VALUE variant too, as bert_base.py takes them (accel without compiling: quick)
+    assert step_profile.main(["--quick", "--device", "cpu", "--modes", "eager,accel:compute.compile=false",
+                              "--warmup", "1", "--steps", "1", "--top", "3", "--results-dir", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "step_profile_cpu.json").read_text())
-    (row,) = result["rows"]
+    row, variant = result["rows"]
     assert row["status"] == "ok" and row["mode"] == "eager" and result["workload"] == "fixed 4x32"
+    assert variant["status"] == "ok" and variant["mode"] == "accel:compute.compile=false"
     assert 0 < row["busy_ms"] and row["gap_ms"] >= 0 and 0 < row["host_ms"] <= row["wall_ms"]
     assert row["host_calls"] == {"graph launches": 0, "kernel launches": 0, "syncs": 0, "copies": 0}  # no CUDA
     assert sum(row["kinds_ms"].values()) == pytest.approx(row["busy_ms"], rel=1e-6)
