@@ -1,12 +1,13 @@
 """multi_apply on one stream against multi_apply_multi_stream on 1, 2 and 4 CUDA streams.
 
-The workload is a detection head's pattern: many independent calls (default 64), each a short chain
-of small matmuls (+ tanh) that occupies a few of the GPU's SMs. On one stream the calls run one after
-another and most SMs idle; on several streams their kernels can run side by side. Reported per
-workload and mode: milliseconds per multi_apply (issue + run, the host waits for the device at the
-end of each timed batch), the host's issue time alone (when it is close to the total the run is
-bound by kernel launches, which no number of streams shortens) and the ratio sequential / mode
-(> 1: faster than multi_apply).
+The workloads are a detection head's pattern: many independent calls (default 64), each a short chain
+of small matmuls (+ tanh), or a sort of one level's scores (one thread block, one SM), that leave most of
+the GPU's SMs idle. On one stream the calls run one after another; on several streams their kernels can
+run side by side. Reported per workload and mode: milliseconds per multi_apply (issue + run, the host waits
+for the device at the end of each timed batch), the host's issue time alone (when it is close to the total
+the run is bound by kernel launches, which no number of streams shortens) and the ratio sequential / mode
+(> 1: faster than multi_apply). Modes are timed in turn within each of 5 rounds (medians), so none gains
+from going first.
 
     python benchmarks/multi_stream.py [--quick] [--calls 64] [--results-dir DIR]
 
@@ -20,6 +21,8 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,68 +32,108 @@ from accel.runtime.utils import multi_apply, multi_apply_multi_stream  # noqa: E
 from benchmarks import _report  # noqa: E402
 
 STREAMS = (1, 2, 4)
-# (rows m, width k, matmuls per call): an (m, k) @ (k, k) chain per call.
-WORKLOADS = ((64, 256, 4), (64, 1024, 4), (256, 1024, 2))
-QUICK_WORKLOADS = ((64, 512, 2),)
+ROUNDS = 5  # timing rounds; each round times every mode once, so no mode is favoured by running first
 
 
-def head(x: torch.Tensor, w: torch.Tensor, depth: int):
+@dataclass(frozen=True)
+class Workload:
+    """`calls` independent calls of `head` (one per slice along dim 0 of each of `make`'s tensors)."""
+    name: str
+    make: Callable[[int, torch.Generator, torch.device], tuple]  # (calls, generator, device) -> multi_apply args
+    head: Callable
+    kwargs: dict = field(default_factory=dict)
+
+
+def matmul_chain(x: torch.Tensor, w: torch.Tensor, depth: int):
+    """A detection head's small dense layers: depth (m, k) @ (k, k) matmuls, each followed by tanh."""
     for _ in range(depth):
         x = (x @ w).tanh_()  # tanh keeps the values bounded over the chain
     return x, x.sum()
 
 
-def _inputs(calls: int, m: int, k: int, device: torch.device):
-    g = torch.Generator(device=device).manual_seed(0)
-    xs = torch.randn(calls, m, k, device=device, generator=g)
-    ws = torch.randn(calls, k, k, device=device, generator=g) / k ** 0.5
-    return xs, ws
+def top_scores(scores: torch.Tensor, k: int):
+    """A detection head's per-level candidate selection: the k best of one level's scores, sorted. torch's
+    sort of a few thousand values runs in one thread block: one SM busy for tens of microseconds."""
+    values, order = scores.sort(descending=True)
+    return values[:k], order[:k]
 
 
-def _time(fn, min_time: float) -> tuple[float, float]:
-    """(median seconds per call with the device drained, median seconds the host spends issuing it)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
+def matmuls(m: int, k: int, depth: int) -> Workload:
+    def make(calls, g, device):
+        return (torch.randn(calls, m, k, device=device, generator=g),
+                torch.randn(calls, k, k, device=device, generator=g) / k ** 0.5)
+
+    return Workload(f"{depth} matmuls ({m}x{k} @ {k}x{k})", make, matmul_chain, {"depth": depth})
+
+
+def sorts(n: int, k: int) -> Workload:
+    def make(calls, g, device):
+        return (torch.rand(calls, n, device=device, generator=g),)
+
+    return Workload(f"sort of {n} scores, top {k}", make, top_scores, {"k": k})
+
+
+WORKLOADS = (matmuls(64, 256, 4), matmuls(64, 1024, 4), matmuls(256, 1024, 2), sorts(4096, 1000),
+             sorts(16384, 1000))
+QUICK_WORKLOADS = (matmuls(64, 512, 2), sorts(1024, 100))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_once(fn, reps: int, device: torch.device) -> tuple[float, float]:
+    """(seconds per call with the device drained, seconds the host spends issuing it), over reps calls."""
     start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    reps = max(1, int(min_time / 5 / max(time.perf_counter() - start, 1e-6)))
-    totals, issues = [], []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(reps):
+    for _ in range(reps):
+        fn()
+    issued = time.perf_counter()
+    _sync(device)
+    end = time.perf_counter()
+    return (end - start) / reps, (issued - start) / reps
+
+
+def _time_modes(fns: list, min_time: float, device: torch.device) -> list[tuple[float, float]]:
+    """Median (total, issue) seconds per call of each fn, the fns timed in turn within each round."""
+    for fn in fns:  # warm-up: allocator, cuBLAS handles and workspaces of every stream
+        for _ in range(3):
             fn()
-        issued = time.perf_counter()
-        torch.cuda.synchronize()
-        end = time.perf_counter()
-        totals.append((end - start) / reps)
-        issues.append((issued - start) / reps)
-    return statistics.median(totals), statistics.median(issues)
+    _sync(device)
+    reps = []
+    for fn in fns:
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        reps.append(max(1, int(min_time / ROUNDS / max(time.perf_counter() - start, 1e-6))))
+    samples = [[] for _ in fns]
+    for _ in range(ROUNDS):
+        for i, fn in enumerate(fns):
+            samples[i].append(_time_once(fn, reps[i], device))
+    return [(statistics.median(t for t, _ in got), statistics.median(i for _, i in got)) for got in samples]
 
 
 def run(calls: int, workloads, min_time: float, device: torch.device) -> list[dict]:
     rows = []
-    for m, k, depth in workloads:
-        xs, ws = _inputs(calls, m, k, device)
-        name = f"{calls} calls x {depth} matmuls ({m}x{k} @ {k}x{k})"
-        reference = multi_apply(head, xs, ws, depth=depth)
-        modes = [("multi_apply", None, lambda: multi_apply(head, xs, ws, depth=depth))]
-        modes += [(f"multi_stream {n}", n, lambda n=n: multi_apply_multi_stream(head, n, xs, ws, depth=depth))
+    for workload in workloads:
+        g = torch.Generator(device=device).manual_seed(0)
+        args, kwargs = workload.make(calls, g, device), workload.kwargs
+        name = f"{calls} calls x {workload.name}"
+        reference = multi_apply(workload.head, *args, **kwargs)
+        modes = [("multi_apply", None, lambda: multi_apply(workload.head, *args, **kwargs))]
+        modes += [(f"multi_stream {n}", n, lambda n=n: multi_apply_multi_stream(workload.head, n, *args, **kwargs))
                   for n in STREAMS]
-        sequential_s = None
-        for mode, streams, fn in modes:
-            got = fn()
+        for _, _, fn in modes:
             # Same kernels on other streams: the results must agree before the times mean anything.
-            for a, b in zip(got[0], reference[0]):
-                torch.testing.assert_close(a, b)
-            total, issue = _time(fn, min_time)
-            if sequential_s is None:
-                sequential_s = total
-            rows.append({"workload": name, "calls": calls, "m": m, "k": k, "depth": depth, "mode": mode,
-                         "streams": streams, "ms": total * 1e3, "issue_ms": issue * 1e3,
-                         "ratio": sequential_s / total})
-            print(f"  {name:<44} {mode:<16} {total * 1e3:8.3f} ms  (issue {issue * 1e3:7.3f} ms)"
+            for got, want in zip(fn(), reference):
+                for a, b in zip(got, want):
+                    torch.testing.assert_close(a, b)
+        times = _time_modes([fn for _, _, fn in modes], min_time, device)
+        sequential_s = times[0][0]
+        for (mode, streams, _), (total, issue) in zip(modes, times):
+            rows.append({"workload": name, "calls": calls, "mode": mode, "streams": streams, "ms": total * 1e3,
+                         "issue_ms": issue * 1e3, "ratio": sequential_s / total})
+            print(f"  {name:<50} {mode:<16} {total * 1e3:8.3f} ms  (issue {issue * 1e3:7.3f} ms)"
                   f"  x{sequential_s / total:5.2f}", flush=True)
     return rows
 
