@@ -36,7 +36,8 @@ What it does, in order (each step says why it sits where it does):
    shapes (one graph per bucket shape), CUDA graphs on cuda when compute.cuda_graphs. On xla the
    lazy-tensor device itself is the compiler.
    Optimizers the user builds over the model's parameters (cuda, cpu): torch Adam/AdamW at their defaults
-   switch to torch's fused kernel, and steps are compiled where that pays (accel.compiler.optimizer).
+   switch to torch's fused kernel, and steps are compiled where that pays (accel.compiler.optimizer); with
+   compute.optimizer_cuda_graphs (off until measured) the compiled steps are CUDA-graph replays too.
 8. distributed (when the launcher started several ranks): the process group is started if the script
    has not (xla / nccl / gloo), then dist.dp / dist.fsdp wrap the model: DDP, FSDP2 (one unit per block
    of dist.fsdp.wrap_layer_cls, or per repeated block), HSDP for both; on xla, gradients averaged at each
@@ -292,7 +293,9 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         _compile(model, backend, config.compute.cuda_graphs, n_shapes)
     from accel.compiler.optimizer import adopt_optimizers
 
-    adopt_optimizers(model, compile_steps=compiled, reduce_gradients=distributed.reduces_gradients_on_step(model))
+    adopt_optimizers(model, compile_steps=compiled, reduce_gradients=distributed.reduces_gradients_on_step(model),
+                     cuda_graph_steps=backend == "cuda" and config.compute.cuda_graphs
+                     and config.compute.optimizer_cuda_graphs)
 
     if dataloader is None:
         return model

@@ -80,6 +80,11 @@ class ComputeConfig(_Section):
         then stays in fp32 and says so once.
     compile: run the model as static graphs (torch.compile on cuda/cpu; the XLA device on xla).
     cuda_graphs: replay the compiled step with CUDA graphs (cuda backend only; needs compile).
+    optimizer_cuda_graphs: replay the compiled optimizer steps (accel.compiler.optimizer) with CUDA graphs
+        too, so that a whole training step is graph replays (cuda backend; needs cuda_graphs). Off until a
+        GPU run shows it wins (`bert_base.py --modes accel,accel:compute.optimizer_cuda_graphs=true`): a
+        compiled fused AdamW step costs the host a few Inductor launches and Dynamo's guards over every
+        parameter and its state, which matters where the host bounds the step (BERT-base at 32x128).
     kernels: use accel's kernel library where it beats what the backend already does on this device
         (see accel.runtime.policy: decided by measurement, not by default).
     recompile_guard: warn when compilations keep growing after the first steps, naming the input and
@@ -101,6 +106,7 @@ class ComputeConfig(_Section):
     bf16: bool = False
     compile: bool = True
     cuda_graphs: bool = True
+    optimizer_cuda_graphs: bool = False
     kernels: bool = True
     recompile_guard: bool = False
     first_token_only: bool = True
@@ -111,6 +117,8 @@ class ComputeConfig(_Section):
             _check_bool(self._name(f.name), getattr(self, f.name))
         if self.fp16 and self.bf16:
             raise ValueError("compute.fp16 and compute.bf16 are exclusive: set at most one")
+        if self.optimizer_cuda_graphs and not self.cuda_graphs:
+            raise ValueError("compute.optimizer_cuda_graphs needs compute.cuda_graphs=True")
 
 
 @dataclass

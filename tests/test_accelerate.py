@@ -13,7 +13,7 @@ import accel
 import accel.utils.cpu as cpu_module
 from accel.checkpoint import checkpoint_plan
 from accel.compiler.graph_pool_grads import has_graph_pool_grad_check
-from accel.compiler.optimizer import has_compiled_step, uses_fused_kernel
+from accel.compiler.optimizer import has_compiled_step, has_cuda_graph_step, uses_fused_kernel
 from accel.config import Config
 from accel.runtime import hooks
 from accel.utils.xla import xla_available
@@ -317,6 +317,16 @@ def test_other_optimizers_get_a_compiled_step_that_trains_like_eager():
     assert has_compiled_step(opt) and not has_compiled_step(ref_opt)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_cuda_graphs_reach_only_steps_over_cuda_parameters():
+    # CUDA graphs replay CUDA work only: on the CPU the option leaves the compiled step a plain compiled one
+    model = nn.Linear(4, 2)
+    accel.accelerate(model, config=cpu_config(optimizer_cuda_graphs=True))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    assert has_compiled_step(opt) and not has_cuda_graph_step(opt)
 
 
 @pytest.mark.parametrize("gc_cls, gc_cnt, expected", [

@@ -31,6 +31,8 @@ def test_no_state_is_shared_between_configs():
     (lambda: ComputeConfig(fp16=True, bf16=True), "compute.fp16 and compute.bf16 are exclusive"),
     (lambda: ComputeConfig(compile="yes"), "compute.compile"),
     (lambda: ComputeConfig(first_token_only=1), "compute.first_token_only"),
+    (lambda: ComputeConfig(cuda_graphs=False, optimizer_cuda_graphs=True),
+     "compute.optimizer_cuda_graphs needs compute.cuda_graphs"),
     (lambda: Config(backend="tpu"), "backend"),
     (lambda: Config(compute=MemoryConfig()), "compute"),
     (lambda: MemoryConfig(gc_cls={"BertLayer"}), "memory.gc_cls and memory.gc_cnt take effect only"),

@@ -13,7 +13,10 @@ accelerated model (anything else passes through untouched):
 2. The step is compiled (torch.compile(optimizer.step), from the second call on, once the state exists)
    where compiling helps: on CUDA, where an eager step's launches cost as much host time as a small
    compiled forward and backward, and for optimizers that are not one fused kernel. A fused step on the
-   CPU is one C++ loop already: compiling it adds a compile and nothing else.
+   CPU is one C++ loop already: compiling it adds a compile and nothing else. With cuda_graph_steps
+   (compute.optimizer_cuda_graphs) the compiled step is replayed with CUDA graphs, as the model's
+   forward and backward are (mode="reduce-overhead"): torch.compile captures optimizers over CUDA
+   parameters as capturable, so the step counters stay on the device.
 
 3. On the xla backend with several ranks (accel.distributed), the gradients are averaged over the ranks at
    every step, before the update (one bucketed all-reduce, accel.xla.reduce_gradients): the usual
@@ -27,32 +30,43 @@ optimizers.
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch.optim.adam import Adam as _TorchAdam
 from torch.optim.adamw import AdamW as _TorchAdamW
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+
+class _Options(NamedTuple):
+    compile_steps: bool
+    reduce_gradients: bool
+    cuda_graph_steps: bool
+
+
 # id -> parameter; entries vanish with their tensors (a WeakSet would compare tensors with ==).
 _params: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
-# id(parameter) -> (compile steps, reduce gradients on step), what its model asked for; an entry is
-# removed with its parameter (weakref.finalize), so a later tensor with the same id starts clean.
-_options: dict[int, tuple[bool, bool]] = {}
+# id(parameter) -> _Options, what its model asked for; an entry is removed with its parameter
+# (weakref.finalize), so a later tensor with the same id starts clean.
+_options: dict[int, _Options] = {}
 _seen: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _reducing: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _hooks: list = []
 _SKIP = ("LBFGS", "SparseAdam")
 # The defining classes (never the torch.optim attributes, which accel.runtime.hooks may replace).
 _TORCH_ADAMS = (_TorchAdam, _TorchAdamW)
+_NONE = _Options(compile_steps=False, reduce_gradients=False, cuda_graph_steps=False)
 
 
-def adopt_optimizers(model: torch.nn.Module, compile_steps: bool, reduce_gradients: bool = False) -> None:
+def adopt_optimizers(model: torch.nn.Module, compile_steps: bool, reduce_gradients: bool = False,
+                     cuda_graph_steps: bool = False) -> None:
     """Apply the module docstring's rules to optimizers built over `model`'s parameters."""
+    options = _Options(compile_steps, reduce_gradients, cuda_graph_steps and compile_steps)
     for p in model.parameters():
         if _params.get(id(p)) is not p:
             _params[id(p)] = p
             weakref.finalize(p, _options.pop, id(p), None)
-        _options[id(p)] = (compile_steps, reduce_gradients)
+        _options[id(p)] = options
     if not _hooks:
         # Global hooks run in registration order: at an optimizer's first step _adopt decides, then
         # _reduce_gradients already acts on that step.
@@ -68,12 +82,18 @@ def uses_fused_kernel(optimizer: torch.optim.Optimizer) -> bool:
     return all(group.get("fused") for group in optimizer.param_groups)
 
 
+def has_cuda_graph_step(optimizer: torch.optim.Optimizer) -> bool:
+    step = optimizer.__dict__.get("step")
+    return isinstance(step, _CompiledStep) and step.mode == "reduce-overhead"
+
+
 class _CompiledStep:
     """optimizer.step replaced on the instance; holds the original bound step it compiles."""
 
-    def __init__(self, eager_step):
+    def __init__(self, eager_step, mode: str | None = None):
         self.eager_step = eager_step
-        self.compiled = torch.compile(eager_step)
+        self.mode = mode
+        self.compiled = torch.compile(eager_step, mode=mode)
 
     def __call__(self, *args, **kwargs):
         return self.compiled(*args, **kwargs)
@@ -102,14 +122,15 @@ def _adopt(optimizer, args, kwargs):
         return None
     if any(p.grad is not None and p.grad.is_sparse for p in params):
         return None
-    options = [_options.get(id(p), (False, False)) for p in params]
-    if all(reduce for _, reduce in options):
+    options = [_options.get(id(p), _NONE) for p in params]
+    if all(o.reduce_gradients for o in options):
         _reducing.add(optimizer)
     _switch_to_fused(optimizer, params)
-    wants_compile = all(compile_steps for compile_steps, _ in options)
+    wants_compile = all(o.compile_steps for o in options)
     fused_on_cpu = uses_fused_kernel(optimizer) and all(p.device.type == "cpu" for p in params)
     if wants_compile and not fused_on_cpu and type(optimizer).__name__ not in _SKIP:
-        optimizer.step = _CompiledStep(optimizer.step)
+        graphs = all(o.cuda_graph_steps for o in options) and all(p.device.type == "cuda" for p in params)
+        optimizer.step = _CompiledStep(optimizer.step, mode="reduce-overhead" if graphs else None)
     return None
 
 

@@ -11,7 +11,7 @@ import torch
 import accel
 from accel.amp import GradScaler, syncfree
 from accel.compiler.graph_pool_grads import has_graph_pool_grad_check
-from accel.compiler.optimizer import has_compiled_step
+from accel.compiler.optimizer import has_compiled_step, has_cuda_graph_step
 
 transformers = pytest.importorskip("transformers", reason="the compiled step is tested on transformers' BERT")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -33,9 +33,10 @@ def batches(n):
              "labels": torch.randint(0, 2, (BATCH,), generator=g)} for _ in range(n)]
 
 
-def accelerated(precision, dropout=0.1):
+def accelerated(precision, dropout=0.1, optimizer_graphs=False):
     torch._dynamo.reset()
     config = accel.Config(backend="cuda")
+    config.compute.optimizer_cuda_graphs = optimizer_graphs
     if precision is not None:
         setattr(config.compute, precision, True)
     return accel.accelerate(tiny_bert(dropout), batches(WARMUP + 3), config)
@@ -54,8 +55,13 @@ def no_host_sync(on: bool):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_fp16_step_is_sync_free_and_an_inf_skips_the_update():
-    model, loader = accelerated("fp16")
+# compute.optimizer_cuda_graphs: the optimizer's compiled step replayed with CUDA graphs too
+OPTIMIZER_GRAPHS = pytest.mark.parametrize("optimizer_graphs", [False, True], ids=["optimizer_compiled", "optimizer_graphs"])
+
+
+@OPTIMIZER_GRAPHS
+def test_fp16_step_is_sync_free_and_an_inf_skips_the_update(optimizer_graphs):
+    model, loader = accelerated("fp16", optimizer_graphs=optimizer_graphs)
     opt = syncfree.AdamW(model.parameters(), lr=1e-3)
     scaler = GradScaler()
     for i, batch in enumerate(loader):
@@ -71,14 +77,15 @@ def test_fp16_step_is_sync_free_and_an_inf_skips_the_update():
             opt.zero_grad(set_to_none=False)
             if inf_step:
                 after = [p.detach().clone() for p in model.parameters()]
-    assert has_compiled_step(opt)
+    assert has_compiled_step(opt) and has_cuda_graph_step(opt) == optimizer_graphs
     for old, new in zip(before, after):
         assert torch.equal(old, new)  # the inf step changed no weight
     assert scaler.get_scale() < 2.0**16  # and backed the scale off
 
 
-def test_bf16_step_is_sync_free_and_trains_like_eager():
-    model, loader = accelerated("bf16")
+@OPTIMIZER_GRAPHS
+def test_bf16_step_is_sync_free_and_trains_like_eager(optimizer_graphs):
+    model, loader = accelerated("bf16", optimizer_graphs=optimizer_graphs)
     ref = tiny_bert().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -96,7 +103,7 @@ def test_bf16_step_is_sync_free_and_trains_like_eager():
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.detach())
-    assert has_compiled_step(opt)
+    assert has_compiled_step(opt) and has_cuda_graph_step(opt) == optimizer_graphs
     torch.testing.assert_close(torch.stack(losses).float(), torch.stack(ref_losses).float(), rtol=3e-2, atol=3e-2)
 
 
