@@ -2,13 +2,12 @@
 //
 // x is [M, N] (rows x normalized size). Forward and dx: a team of `tpr` threads per row, tpr a
 // power of two from 32 (one warp per row, several rows per block: small and medium N) up to 1024
-// (one block per row: large N), so no thread handles more than a few dozen elements (the forward of float and
-// double rows holds up to four vectors a thread in registers, kFwdVectors, and reads x once when the team fits
-// 512 threads). A team
-// reduces with warp shuffles and, when wider than a warp, through shared memory. Statistics are
-// in float (double for float64 x): shifted sums per thread, merged across threads as Welford states
-// (a row whose sums overflow, |x| around 1e19 and beyond in float, is redone on exactly scaled
-// values). Loads and stores are 16-byte vectors when N and every pointer allow it.
+// (one block per row: large N), so no thread handles more than a few dozen elements (the forward of float
+// and double rows holds up to four vectors a thread in registers, kFwdVectors, and reads x once when the
+// team fits 512 threads). A team reduces with warp shuffles and, when wider than a warp, through shared
+// memory. Statistics are in float (double for float64 x): shifted sums per thread, merged across threads
+// as Welford states (a row whose sums overflow, |x| around 1e19 and beyond in float, is redone on exactly
+// scaled values). Loads and stores are 16-byte vectors when N and every pointer allow it.
 //
 // Backward, rows of up to 16 elements per thread of a 512-thread team (N <= 8192; 4096 in double): one
 // pass over x and dy. Each team keeps its part of the row in registers for dx and adds dy*xhat and dy
