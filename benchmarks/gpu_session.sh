@@ -179,8 +179,8 @@ if want bert_base; then
   collect_results
 fi
 if want step_profile; then
-  # where the step's time goes, peer against accel, at the size where accel leads least (two compiles)
-  step step_profile "$(budget step_profile 150)" "$PY" benchmarks/step_profile.py --size "${PROFILE_SIZE:-32x128}" \
+  # where the step's time goes, peer against accel, at the size where accel leads least (a compile per mode)
+  step step_profile "$(budget step_profile 200)" "$PY" benchmarks/step_profile.py --size "${PROFILE_SIZE:-32x128}" \
     --modes "${PROFILE_MODES:-peer,accel}"
   collect_results
 fi
