@@ -38,6 +38,28 @@ namespace {
 // Windows per chunk of the bias-gradient reduction: chunks run in parallel into their own partial sums.
 constexpr int64_t kChunk = 32;
 
+// Backward tasks are (chunk c of windows, head h), task = c * nH + h; task (c, h) owns partial[c, h] and
+// adds its windows' dx to it in window order (so the result does not depend on the thread count).
+// for_each_head_run calls f(c, h0, h1) for the runs of a thread's tasks [begin, end) that share a chunk,
+// at most `group` heads a run; the caller walks the run window by window over its heads, i.e. through g, y
+// and dx ([B*nW, nH, N, N]) in memory order. Task by task instead, each window's head is a block nH of
+// them apart: on a 2-core AVX-512 EPYC that walk took 1.12x (float) and 1.49x (bf16) this one's time at
+// Swin's stage 1, 1.33x and 1.26x at stage 3 (alternating processes), and lost to torch's softmax
+// backward + sum in float (0.92-0.99x; now 1.13-1.25x, benchmarks/results/kernels_cpu_avx512_fmha.json).
+template <typename F>
+void for_each_head_run(int64_t begin, int64_t end, int64_t nH, int64_t group, F f) {
+  for (int64_t task = begin; task < end;) {
+    const int64_t c = task / nH, h0 = task % nH;
+    const int64_t h1 = std::min({nH, h0 + group, end - c * nH});
+    f(c, h0, h1);
+    task = c * nH + h1;
+  }
+}
+
+// Floats of padded bias-gradient rows the AVX-512 backward sums at once (a run's heads): 256 KB, an L2
+// share; Swin's N = 49 (49 x 64 floats a head) fits 20 heads.
+constexpr int64_t kAccFloats = 64 * 1024;
+
 // The row loops below are written so that -O3 vectorizes them without -ffast-math: reductions keep
 // kLanes partial results (the compiler may not reorder a single floating-point accumulator) and the
 // exponential is vec::exp, which is branch-free.
@@ -380,35 +402,41 @@ ACCEL_AVX512 void softmax_backward_rows_avx512(const scalar_t* g, const scalar_t
   }
 }
 
-// Backward tasks [begin, end), task = (chunk c of windows, head h), as in fmha_bwd_cpu: the chunk's
-// bias gradient is summed in a padded buffer in window order, then copied to p[c, h].
+// Backward tasks [begin, end) (for_each_head_run): each head of a run sums its bias gradient in a padded
+// buffer of its own in window order, then copies it to p[c, h].
 template <typename scalar_t>
 ACCEL_AVX512 void softmax_backward_tasks_avx512(const scalar_t* g, const scalar_t* y, scalar_t* d, float* p,
                                                 int64_t begin, int64_t end, int64_t BnW, int64_t nH, int64_t N) {
-  const int64_t head = N * N, ld = (N + 15) / 16 * 16, rows = rows_per_block(N, ld);
-  std::vector<float> scratch(static_cast<size_t>(N * ld + rows + 16));
-  float* acc = align64(scratch.data());
-  float* gy = acc + N * ld;
-  for (int64_t task = begin; task < end; ++task) {
-    const int64_t c = task / nH, h = task % nH;
-    std::fill(acc, acc + N * ld, 0.0f);
+  const int64_t head = N * N, ld = (N + 15) / 16 * 16, rows = rows_per_block(N, ld), padded = N * ld;
+  const int64_t group = std::max<int64_t>(1, std::min(nH, kAccFloats / padded));
+  std::vector<float> scratch(static_cast<size_t>(group * padded + rows + 16));
+  float* accs = align64(scratch.data());  // padded is a multiple of 16 floats: every head's rows stay aligned
+  float* gy = accs + group * padded;
+  for_each_head_run(begin, end, nH, group, [&](int64_t c, int64_t h0, int64_t h1) {
+    std::fill(accs, accs + (h1 - h0) * padded, 0.0f);
     for (int64_t bw = c * kChunk; bw < std::min(BnW, (c + 1) * kChunk); ++bw) {
-      const int64_t base = (bw * nH + h) * head;
-      switch (ld / 16) {  // rows of at most 4 vectors (Swin's N = 49 and 64) stay in registers
-        case 1: softmax_backward_head_regs<1>(g + base, y + base, d + base, acc, N, ld); continue;
-        case 2: softmax_backward_head_regs<2>(g + base, y + base, d + base, acc, N, ld); continue;
-        case 3: softmax_backward_head_regs<3>(g + base, y + base, d + base, acc, N, ld); continue;
-        case 4: softmax_backward_head_regs<4>(g + base, y + base, d + base, acc, N, ld); continue;
-        default: break;
-      }
-      for (int64_t i = 0; i < N; i += rows) {
-        const int64_t at = base + i * N;
-        softmax_backward_rows_avx512(g + at, y + at, d + at, acc + i * ld, gy, std::min(rows, N - i), N, ld);
+      for (int64_t h = h0; h < h1; ++h) {
+        const int64_t base = (bw * nH + h) * head;
+        float* acc = accs + (h - h0) * padded;
+        switch (ld / 16) {  // rows of at most 4 vectors (Swin's N = 49 and 64) stay in registers
+          case 1: softmax_backward_head_regs<1>(g + base, y + base, d + base, acc, N, ld); continue;
+          case 2: softmax_backward_head_regs<2>(g + base, y + base, d + base, acc, N, ld); continue;
+          case 3: softmax_backward_head_regs<3>(g + base, y + base, d + base, acc, N, ld); continue;
+          case 4: softmax_backward_head_regs<4>(g + base, y + base, d + base, acc, N, ld); continue;
+          default: break;
+        }
+        for (int64_t i = 0; i < N; i += rows) {
+          const int64_t at = base + i * N;
+          softmax_backward_rows_avx512(g + at, y + at, d + at, acc + i * ld, gy, std::min(rows, N - i), N, ld);
+        }
       }
     }
-    float* out = p + (c * nH + h) * head;
-    for (int64_t i = 0; i < N; ++i) std::memcpy(out + i * N, acc + i * ld, sizeof(float) * N);
-  }
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* acc = accs + (h - h0) * padded;
+      float* out = p + (c * nH + h) * head;
+      for (int64_t i = 0; i < N; ++i) std::memcpy(out + i * N, acc + i * ld, sizeof(float) * N);
+    }
+  });
 }
 #endif  // ACCEL_HAVE_X86_INTRINSICS
 
@@ -512,31 +540,32 @@ std::tuple<at::Tensor, at::Tensor> fmha_bwd_cpu(const at::Tensor& grad_, const a
     const scalar_t* y = out.const_data_ptr<scalar_t>();
     scalar_t* d = dx.mutable_data_ptr<scalar_t>();
     opmath_t* p = partial.mutable_data_ptr<opmath_t>();
-    // One task = one head of one chunk of windows: it owns partial[c, h] and writes it in window order.
+    // One task = one head of one chunk of windows (for_each_head_run): it owns partial[c, h].
     if (!backward_avx512(g, y, d, p, chunks * nH, BnW, nH, N)) {
       at::parallel_for(0, chunks * nH, 1, [&](int64_t begin, int64_t end) {
         // One window-head of g and y widened once to opmath: the row loops then run on plain arrays.
         std::vector<opmath_t> gbuf(static_cast<size_t>(head)), ybuf(static_cast<size_t>(head));
-        for (int64_t task = begin; task < end; ++task) {
-          const int64_t c = task / nH, h = task % nH;
-          opmath_t* acc = p + (c * nH + h) * head;
+        for_each_head_run(begin, end, nH, nH, [&](int64_t c, int64_t h0, int64_t h1) {
           for (int64_t bw = c * kChunk; bw < std::min(BnW, (c + 1) * kChunk); ++bw) {
-            const int64_t base = (bw * nH + h) * head;
-            const scalar_t* gh = g + base;
-            const scalar_t* yh = y + base;
-            scalar_t* dh = d + base;
-            if constexpr (std::is_same_v<scalar_t, opmath_t>) {
-              // (identity casts, as in the forward)
-              softmax_backward_head(reinterpret_cast<const opmath_t*>(gh), reinterpret_cast<const opmath_t*>(yh),
-                                    reinterpret_cast<opmath_t*>(dh), acc, N);
-            } else {  // widen g and y once, compute dx into gbuf, narrow once
-              widen(gh, gbuf.data(), head);
-              widen(yh, ybuf.data(), head);
-              softmax_backward_head(gbuf.data(), ybuf.data(), gbuf.data(), acc, N);
-              narrow(gbuf.data(), dh, head);
+            for (int64_t h = h0; h < h1; ++h) {
+              opmath_t* acc = p + (c * nH + h) * head;
+              const int64_t base = (bw * nH + h) * head;
+              const scalar_t* gh = g + base;
+              const scalar_t* yh = y + base;
+              scalar_t* dh = d + base;
+              if constexpr (std::is_same_v<scalar_t, opmath_t>) {
+                // (identity casts, as in the forward)
+                softmax_backward_head(reinterpret_cast<const opmath_t*>(gh), reinterpret_cast<const opmath_t*>(yh),
+                                      reinterpret_cast<opmath_t*>(dh), acc, N);
+              } else {  // widen g and y once, compute dx into gbuf, narrow once
+                widen(gh, gbuf.data(), head);
+                widen(yh, ybuf.data(), head);
+                softmax_backward_head(gbuf.data(), ybuf.data(), gbuf.data(), acc, N);
+                narrow(gbuf.data(), dh, head);
+              }
             }
           }
-        }
+        });
       });
     }
     if (chunks > 1) {

@@ -161,6 +161,29 @@ def test_bias_grad_is_reproducible_across_thread_counts():
     assert torch.equal(grads[0], grads[1])
 
 
+@pytest.mark.parametrize("nH, N", [(24, 49), (7, 100)])
+def test_cpu_backward_past_one_run_of_heads(nH, N):
+    # The CPU backward walks a chunk window by window over a run of heads, as many as its bias-gradient
+    # buffers fit (20 of Swin's 49-wide rows, 5 of 100): more heads take several runs per chunk, and two
+    # threads split chunks mid-run. Against the float64 reference, and the same bits at 1 and 2 threads.
+    torch.manual_seed(0)
+    B, nW = 35, 2  # 70 windows: three chunks
+    attn, bias = torch.randn(B * nW, nH, N, N), torch.randn(nH, N, N)
+    _assert_fp32_matches_swin(attn, bias, _swin_mask(nW, N, "cpu"), B, nW, bias_tol=(1e-5, 1e-5))
+    g = torch.randn_like(attn)
+    grads = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            b = bias.clone().requires_grad_()
+            FusedSwinFmha.apply(attn, b, None, B, nW, nH, N).backward(g)
+            grads.append(b.grad)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_gradcheck_float64_cpu():
     B, nW, nH, N = 2, 2, 2, 5
     attn = torch.randn(B * nW, nH, N, N, dtype=torch.float64, requires_grad=True)
