@@ -78,18 +78,13 @@ WORKLOADS = (matmuls(64, 256, 4), matmuls(64, 1024, 4), matmuls(256, 1024, 2), s
 QUICK_WORKLOADS = (matmuls(64, 512, 2), sorts(1024, 100))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_once(fn, reps: int, device: torch.device) -> tuple[float, float]:
     """(seconds per call with the device drained, seconds the host spends issuing it), over reps calls."""
     start = time.perf_counter()
     for _ in range(reps):
         fn()
     issued = time.perf_counter()
-    _sync(device)
+    _report.sync(device)
     end = time.perf_counter()
     return (end - start) / reps, (issued - start) / reps
 
@@ -99,12 +94,12 @@ def _time_modes(fns: list, min_time: float, device: torch.device) -> list[tuple[
     for fn in fns:  # warm-up: allocator, cuBLAS handles and workspaces of every stream
         for _ in range(3):
             fn()
-    _sync(device)
+    _report.sync(device)
     reps = []
     for fn in fns:
         start = time.perf_counter()
         fn()
-        _sync(device)
+        _report.sync(device)
         reps.append(max(1, int(min_time / ROUNDS / max(time.perf_counter() - start, 1e-6))))
     samples = [[] for _ in fns]
     for _ in range(ROUNDS):
