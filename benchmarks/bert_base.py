@@ -529,6 +529,12 @@ SETUPS = {"eager": setup_eager, "eager-amp": setup_eager_amp, "peer": setup_peer
           "accel-kernels": setup_accel_kernels, "accel-xla": setup_accel_xla, "accel": setup_accel}
 
 
+def setup(mode: str, ctx: Context) -> Run:
+    """The Run of a mode, or of an accel:FIELD=VALUE variant (accel with those Config fields)."""
+    base, overrides = split_mode(mode)
+    return SETUPS[base](ctx, overrides) if overrides else SETUPS[base](ctx)
+
+
 # ------------------------------------------------------------------------------------------ measuring
 
 
@@ -671,8 +677,7 @@ def run_mode(mode: str, ctx: Context, args) -> dict:
     release_memory()
     memory = PeakMemory(ctx.device)
     try:
-        base, overrides = split_mode(mode)
-        run = SETUPS[base](ctx, overrides) if overrides else SETUPS[base](ctx)
+        run = setup(mode, ctx)
         # Seeded after the set-up, which may draw numbers (accel-kernels builds a model): every mode that
         # draws dropout masks with torch's dropout in eager code then gets the same masks.
         torch.manual_seed(args.seed)

@@ -109,8 +109,7 @@ def host_top(prof, steps: int, top: int) -> list[dict]:
 def profile_mode(mode: str, ctx: bb.Context, warmup: int, steps: int, top: int) -> dict:
     row = {"mode": mode}
     try:
-        base, overrides = bb.split_mode(mode)  # accel:F=V rows: accel with Config fields set otherwise
-        run = bb.SETUPS[base](ctx, overrides) if overrides else bb.SETUPS[base](ctx)
+        run = bb.setup(mode, ctx)  # accel:F=V variants too
         for _ in range(warmup):
             run.step(next(run.batches))
         bb.device_sync(run.device)
