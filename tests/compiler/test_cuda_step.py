@@ -56,7 +56,8 @@ def no_host_sync(on: bool):
 
 
 # compute.optimizer_cuda_graphs: the optimizer's compiled step replayed with CUDA graphs too
-OPTIMIZER_GRAPHS = pytest.mark.parametrize("optimizer_graphs", [False, True], ids=["optimizer_compiled", "optimizer_graphs"])
+OPTIMIZER_GRAPHS = pytest.mark.parametrize("optimizer_graphs", [False, True],
+                                           ids=["optimizer_compiled", "optimizer_graphs"])
 
 
 @OPTIMIZER_GRAPHS
@@ -64,9 +65,11 @@ def test_fp16_step_is_sync_free_and_an_inf_skips_the_update(optimizer_graphs):
     model, loader = accelerated("fp16", optimizer_graphs=optimizer_graphs)
     opt = syncfree.AdamW(model.parameters(), lr=1e-3)
     scaler = GradScaler()
-    for i, batch in enumerate(loader):
+    on_gpu = iter(loader)
+    for i in range(WARMUP + 3):
         inf_step = i == WARMUP + 1
         with no_host_sync(i >= WARMUP):
+            batch = next(on_gpu)  # taking the batch is part of the step: the Prefetcher must not sync either
             loss = model(**batch)["loss"]
             if inf_step:
                 before = [p.detach().clone() for p in model.parameters()]
@@ -90,8 +93,10 @@ def test_bf16_step_is_sync_free_and_trains_like_eager(optimizer_graphs):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     losses, ref_losses = [], []
-    for i, (batch, plain) in enumerate(zip(loader, batches(WARMUP + 3))):
+    on_gpu = iter(loader)
+    for i, plain in enumerate(batches(WARMUP + 3)):
         with no_host_sync(i >= WARMUP):
+            batch = next(on_gpu)  # taking the batch is part of the step: the Prefetcher must not sync either
             loss = model(**batch)["loss"]
             loss.backward()
             opt.step()
