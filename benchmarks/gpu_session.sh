@@ -11,7 +11,9 @@
 # (~30 s) included; a second call within 30 s finds the machine warm (the build is then a cache hit).
 # 2026-11-26 on an H200: build 53 s, the tests ~250 s with -n 16, each compiled bert_base row ~35 s of
 # compiling. 2026-11-27 on an H100: both trees' builds (16 at once) 123 s; the six changed ops' test files
-# 246 s (before OMP_NUM_THREADS=1); kernels.py of 3 ops with peers ~100 s, ours only ~20 s an op.
+# 246 s (before OMP_NUM_THREADS=1); kernels.py of 3 ops with peers ~100 s, ours only ~20 s an op. Its second
+# run: 8 ops and 3 baseline ops built in 106 s; a compiled BERT-base row at 32x128 ~55-60 s (compile ~55 s);
+# tests/compiler/test_cuda_step.py 63 s, tests/test_accelerate.py over 100 s (27 of 36 done) with -n 16.
 # bert_base runs the headline rows first (peer and accel of every size) and stops starting rows when its
 # budget is spent. BERT_ARGS replaces bert_base's workload arguments (default: --workload both
 # --fixed-sizes 32x128,256x128,64x512; e.g. "--workload guide --modes peer,accel"), KERNELS_ARGS adds
