@@ -17,7 +17,8 @@ A mode ahead by x% shows here which kinds it wins on.
 --modes takes bert_base.py's modes, its accel:FIELD=VALUE variants too: e.g. accel:compute.cuda_graphs=false
 beside accel shows what CUDA graphs save the host (nothing, if accel's graphs were skipped).
 
-Writes <results-dir>/step_profile_<device>.json and .png (default benchmarks/results/).
+Writes <results-dir>/step_profile_<device>.json (rewritten after every mode, so a run cut short keeps what it
+profiled) and .png (default benchmarks/results/).
 """
 from __future__ import annotations
 
@@ -216,15 +217,17 @@ def main(argv=None) -> int:
           f"{args.warmup} warm-up + {args.steps} profiled steps per mode", flush=True)
     model = bb.build_model(config, args.seed)
     rows = []
+    name = f"step_profile_{device.type}"
+    payload = {**_report.environment(str(device)), "workload": workload.name, "args": vars(args), "rows": rows}
     for mode in args.modes:
         bb.release_memory()
         torch.manual_seed(args.seed)
         rows.append(profile_mode(mode, bb.Context(model, workload, device, lr=2e-5), args.warmup, args.steps,
                                  args.top))
+        # after every mode: a run stopped by a time limit keeps the modes it profiled
+        json_path = _report.write_json(name, payload, args.results_dir)
+        print(f"{mode}: {rows[-1]['status']}; rows so far in {json_path}", flush=True)
     print_report(rows)
-    name = f"step_profile_{device.type}"
-    payload = {**_report.environment(str(device)), "workload": workload.name, "args": vars(args), "rows": rows}
-    json_path = _report.write_json(name, payload, args.results_dir)
     if any(r["status"] == "ok" for r in rows):
         png = _report.save_figure(plot(rows, f"BERT {workload.name}, {payload['device']}"), name, args.results_dir)
         print(f"\nwrote {json_path} and {png}")
