@@ -42,6 +42,7 @@ Modes (one row each, in this order, one process)
                  an A/B of one of accelerate()'s choices in the same run (any number of such rows).
 
 Reported per mode: samples/s and real (non-pad) tokens/s over the timed steps; step time median and p90;
+the times Inductor ran a graph without the CUDA graphs it was asked for (graph skips; why: TORCH_LOGS=perf_hints);
 the host's time per step (median; from taking the batch to the step's return, which on CUDA waits for the
 device only where the step itself does, e.g. the peer's copy of a pageable batch: close to the step time
 when the host bounds the step, below it when the GPU does);
@@ -677,11 +678,21 @@ def restore_hooks() -> None:
     hooks.disable_fused_adam()
 
 
+def cudagraph_skips() -> int:
+    """Times Inductor has run a compiled graph without CUDA graphs where they were asked for (mode
+    "reduce-overhead"): it says why only in its perf hints (TORCH_LOGS=perf_hints), and the step then pays a
+    host launch per kernel."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
 def run_mode(mode: str, ctx: Context, args) -> dict:
     """One row: set the mode up, measure it, summarise; a Skip or an error becomes the row's status."""
     row = {"workload": ctx.workload.name, "mode": mode}
     release_memory()
     memory = PeakMemory(ctx.device)
+    skips = cudagraph_skips()
     try:
         run = setup(mode, ctx)
         # Seeded after the set-up, which may draw numbers (accel-kernels builds a model): every mode that
@@ -698,7 +709,8 @@ def run_mode(mode: str, ctx: Context, args) -> dict:
         restore_hooks()
     stats = summarize(raw, run.device, *flop_coefficients(ctx.initial_model))
     return {**row, "status": "ok", "device": str(run.device), "precision": run.precision,
-            "same_data": not run.packed, **peak_memory(memory, run.device), **stats, **raw}
+            "same_data": not run.packed, "cudagraph_skips": cudagraph_skips() - skips,
+            **peak_memory(memory, run.device), **stats, **raw}
 
 
 def peak_memory(memory: PeakMemory, device: torch.device) -> dict:
@@ -754,8 +766,9 @@ def check_losses(rows: list[dict], first_tolerance: float) -> list[str]:
 
 TABLE = [("mode", "mode", ""), ("samples_per_s", "samples/s", ".1f"), ("tokens_per_s", "real tok/s", ".0f"),
          ("step_ms_median", "step ms", ".1f"), ("step_ms_p90", "p90 ms", ".1f"), ("host_ms_median", "host ms", ".1f"),
-         ("compile_s", "compile s", ".1f"), ("compiles", "compiles", "d"), ("compiles_timed", "timed", "d"), ("peak_mem_mb", "peak MB", ".0f"),
-         ("mfu", "MFU", ".1%"), ("first_loss", "loss 1", ".4f"), ("final_loss", "loss N", ".4f"),
+         ("compile_s", "compile s", ".1f"), ("compiles", "compiles", "d"), ("compiles_timed", "timed", "d"),
+         ("cudagraph_skips", "graph skips", "d"), ("peak_mem_mb", "peak MB", ".0f"), ("mfu", "MFU", ".1%"),
+         ("first_loss", "loss 1", ".4f"), ("final_loss", "loss N", ".4f"),
          ("speedup_vs_eager", "x eager", ".2f"), ("speedup_vs_peer", "x peer", ".2f"), ("status", "", "")]
 
 

@@ -175,14 +175,16 @@ if want bert_base; then
   BERT_S=$(budget bert_base 330)
   # --budget-s: rows that would start in the last 100 s are skipped (one row compiles for up to ~a minute),
   # so the run ends with its table, JSON and PNG instead of being killed.
+  # TORCH_LOGS=perf_hints: where Inductor runs a graph without the CUDA graphs asked for, the log says why
+  # (the row's "graph skips" counts it)
   # shellcheck disable=SC2086  # BERT_ARGS is a list of words
-  step bert_base "$BERT_S" "$PY" benchmarks/bert_base.py ${BERT_ARGS:---workload both --fixed-sizes 32x128,256x128,64x512} \
+  TORCH_LOGS="${TORCH_LOGS:-perf_hints}" step bert_base "$BERT_S" "$PY" benchmarks/bert_base.py ${BERT_ARGS:---workload both --fixed-sizes 32x128,256x128,64x512} \
     --budget-s $(( BERT_S > 160 ? BERT_S - 100 : 60 ))
   collect_results
 fi
 if want step_profile; then
   # where the step's time goes, peer against accel, at the size where accel leads least (a compile per mode)
-  step step_profile "$(budget step_profile 200)" "$PY" benchmarks/step_profile.py --size "${PROFILE_SIZE:-32x128}" \
+  TORCH_LOGS="${TORCH_LOGS:-perf_hints}" step step_profile "$(budget step_profile 200)" "$PY" benchmarks/step_profile.py --size "${PROFILE_SIZE:-32x128}" \
     --modes "${PROFILE_MODES:-peer,accel}"
   collect_results
 fi

@@ -109,6 +109,7 @@ def host_top(prof, steps: int, top: int) -> list[dict]:
 
 def profile_mode(mode: str, ctx: bb.Context, warmup: int, steps: int, top: int) -> dict:
     row = {"mode": mode}
+    skips = bb.cudagraph_skips()
     try:
         run = bb.setup(mode, ctx)  # accel:F=V variants too
         for _ in range(warmup):
@@ -138,6 +139,7 @@ def profile_mode(mode: str, ctx: bb.Context, warmup: int, steps: int, top: int) 
             # the profiler's own cost inflates wall time a little, and the same for every mode
             "wall_ms": wall_ms, "host_ms": issued / steps * 1e3, "busy_ms": busy_ms,
             "gap_ms": max(wall_ms - busy_ms, 0.0), "host_calls": host_calls(prof, steps),
+            "cudagraph_skips": bb.cudagraph_skips() - skips,
             "host_top": host_top(prof, steps, top) if run.device.type == "cuda" else [],  # on the CPU "top" lists the ops
             "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "top": [{"name": n, "calls_per_step": c / steps, "ms_per_step": t / steps / 1e3, "kind": kind_of(n)}
@@ -155,7 +157,8 @@ def print_report(rows: list[dict]) -> None:
     table = [{"what": "wall ms / step", **{r["mode"]: r["wall_ms"] for r in ok}},
              {"what": "host ms / step (issuing)", **{r["mode"]: r["host_ms"] for r in ok}},
              {"what": "busy ms / step", **{r["mode"]: r["busy_ms"] for r in ok}},
-             {"what": "gap ms / step", **{r["mode"]: r["gap_ms"] for r in ok}}]
+             {"what": "gap ms / step", **{r["mode"]: r["gap_ms"] for r in ok}},
+             {"what": "CUDA graphs skipped (set-up on)", **{r["mode"]: r["cudagraph_skips"] for r in ok}}]
     table += [{"what": f"  {k}", **{r["mode"]: r["kinds_ms"].get(k, 0.0) for r in ok}} for k in kinds]
     if any(any(r["host_calls"].values()) for r in ok):
         table += [{"what": f"{kind} / step", **{r["mode"]: r["host_calls"][kind] for r in ok}}

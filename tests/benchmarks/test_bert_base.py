@@ -32,9 +32,10 @@ def _assert_rows(result, workloads, modes):
         else:
             assert row["tokens_per_s"] > 0 and row["samples_per_s"] > 0
             assert row["step_ms_p90"] >= row["step_ms_median"] > 0
-            assert row["host_ms_median"] > 0
+            assert row["host_ms_median"] > 0 and row["cudagraph_skips"] >= 0
             if not str(row["device"]).startswith("cuda"):  # host clock, device synced after the host's part
                 assert row["host_ms_median"] <= row["step_ms_median"]
+                assert row["cudagraph_skips"] == 0  # no CUDA graphs asked for on the CPU, none skipped
             assert len(row["losses"]) == row["warmup"] + 2 and all(math.isfinite(x) for x in row["losses"])
     assert result["loss_check"]["verdict"] == "PASS", result["loss_check"]
     return rows
