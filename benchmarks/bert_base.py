@@ -73,7 +73,8 @@ reference's. A mode that raises fails the check too (the other rows still run). 
 initialised BERT-base's loss climbs within a few steps.
 
 Defaults (--quick: 2 layers, hidden 64, vocab 1000, batch 4, seq 32, guide max length 64, 2 steps)
-  CUDA: --workload both; fixed 32x128, 256x128, 64x512; guide batch 128; 3 warm-up + 20 timed steps.
+  CUDA: --workload both; fixed 32x128, 256x128, 64x512; guide batch 128; 5 warm-up + 20 timed steps (with 3,
+        the first timed step of every compiled row on an H100 still took 1.1-3x the median: 2026-11-27).
   CPU:  --workload fixed; fixed 8x128; guide (with --workload guide/both) batch 8, max length 512;
         2 warm-up + 2 timed steps. A BERT-base fp32 step at 8x128 takes ~5.5 s on 2 cores (~11 s on
         XLA), the first compiled steps ~70-120 s (torch.compile) or ~25-45 s per graph (XLA, 2 graphs),
@@ -150,7 +151,7 @@ class Defaults:
 
 
 DEFAULTS = {
-    "cuda": Defaults("both", ((32, 128), (256, 128), (64, 512)), 128, 512, warmup=3, steps=20),
+    "cuda": Defaults("both", ((32, 128), (256, 128), (64, 512)), 128, 512, warmup=5, steps=20),
     "cpu": Defaults("fixed", ((8, 128),), 8, 512, warmup=2, steps=2),
     "quick": Defaults("both", ((4, 32),), 4, 64, warmup=1, steps=2),
 }
