@@ -30,6 +30,7 @@
 #         when set, replaces the default folders: a short call tests only what changed)
 # bert_base     benchmarks/bert_base.py ($BERT_ARGS)       -> $OUT/bert_base.log, bert_base_cuda.json/png
 # step_profile  benchmarks/step_profile.py, peer vs accel   -> $OUT/step_profile.log, step_profile_cuda.json/png
+#               and each mode's timeline, step_profile_cuda_<mode>.trace.json.gz (ui.perfetto.dev)
 # multi_stream  benchmarks/multi_stream.py                 -> $OUT/multi_stream.log, multi_stream.json/png
 # host_cost     benchmarks/host_cost.py --device cuda      -> $OUT/host_cost.log, host_cost_cuda.json/png
 # kernels       benchmarks/kernels.py --device cuda        -> $OUT/kernels.log, kernels_cuda.json/png
@@ -185,7 +186,7 @@ fi
 if want step_profile; then
   # where the step's time goes, peer against accel, at the size where accel leads least (a compile per mode)
   TORCH_LOGS="${TORCH_LOGS:-perf_hints}" step step_profile "$(budget step_profile 200)" "$PY" benchmarks/step_profile.py --size "${PROFILE_SIZE:-32x128}" \
-    --modes "${PROFILE_MODES:-peer,accel}"
+    --modes "${PROFILE_MODES:-peer,accel}" --trace
   collect_results
 fi
 if want multi_stream; then

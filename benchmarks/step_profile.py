@@ -23,6 +23,7 @@ profiled) and .png (default benchmarks/results/).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -107,7 +108,9 @@ def host_top(prof, steps: int, top: int) -> list[dict]:
             for e in events[:top]]
 
 
-def profile_mode(mode: str, ctx: bb.Context, warmup: int, steps: int, top: int) -> dict:
+def profile_mode(mode: str, ctx: bb.Context, warmup: int, steps: int, top: int, trace: Path | None = None) -> dict:
+    """One mode's row; with `trace`, the profiled steps' timeline is written there too (Chrome trace format,
+    gzipped: chrome://tracing or ui.perfetto.dev), host threads and device streams side by side."""
     row = {"mode": mode}
     skips = bb.cudagraph_skips()
     try:
@@ -127,6 +130,12 @@ def profile_mode(mode: str, ctx: bb.Context, warmup: int, steps: int, top: int) 
         return {**row, "status": "skipped", "reason": str(reason)}
     finally:
         bb.restore_hooks()
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        partial = trace.with_name(f".partial-{trace.name}")  # ends in .gz, so torch compresses it too
+        prof.export_chrome_trace(str(partial))
+        os.replace(partial, trace)  # whole or absent, never a torn file
+        row["trace"] = trace.name
     times = kernel_times(prof, run.device)
     busy_us = sum(t for _, t in times.values())
     kinds: dict[str, float] = {}
@@ -203,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="steps before profiling (compiles happen there)")
     ap.add_argument("--steps", type=int, default=5, help="profiled steps per mode")
     ap.add_argument("--top", type=int, default=15, help="kernels listed per mode")
+    ap.add_argument("--trace", action="store_true",
+                    help="also write each mode's timeline: step_profile_<device>_<mode>.trace.json.gz")
     ap.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda where there is one")
     ap.add_argument("--quick", action="store_true", help="tiny BERT, 4x32 (the test suite's)")
     ap.add_argument("--seed", type=int, default=0)
@@ -225,8 +236,10 @@ def main(argv=None) -> int:
     for mode in args.modes:
         bb.release_memory()
         torch.manual_seed(args.seed)
+        trace = (args.results_dir / f"{name}_{re.sub(r'[^A-Za-z0-9_.-]+', '_', mode)}.trace.json.gz"
+                 if args.trace else None)
         rows.append(profile_mode(mode, bb.Context(model, workload, device, lr=2e-5), args.warmup, args.steps,
-                                 args.top))
+                                 args.top, trace))
         # after every mode: a run stopped by a time limit keeps the modes it profiled
         json_path = _report.write_json(name, payload, args.results_dir)
         print(f"{mode}: {rows[-1]['status']}; rows so far in {json_path}", flush=True)

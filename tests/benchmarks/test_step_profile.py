@@ -1,4 +1,5 @@
 """benchmarks/step_profile.py on the CPU (tiny BERT): the rows it writes and how it sorts kernel names."""
+import gzip
 import json
 from types import SimpleNamespace
 
@@ -26,7 +27,8 @@ def test_kinds_of_kernel_names(name, kind):
 def test_a_profiled_mode_splits_its_step(tmp_path):
     # an accel:FIELD=VALUE variant too, as bert_base.py takes them (accel without compiling: quick)
     assert step_profile.main(["--quick", "--device", "cpu", "--modes", "eager,accel:compute.compile=false",
-                              "--warmup", "1", "--steps", "1", "--top", "3", "--results-dir", str(tmp_path)]) == 0
+                              "--warmup", "1", "--steps", "1", "--top", "3", "--trace",
+                              "--results-dir", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "step_profile_cpu.json").read_text())
     row, variant = result["rows"]
     assert row["status"] == "ok" and row["mode"] == "eager" and result["workload"] == "fixed 4x32"
@@ -37,6 +39,12 @@ def test_a_profiled_mode_splits_its_step(tmp_path):
     assert sum(row["kinds_ms"].values()) == pytest.approx(row["busy_ms"], rel=1e-6)
     assert len(row["top"]) == 3 and row["top"][0]["ms_per_step"] >= row["top"][-1]["ms_per_step"]
     assert (tmp_path / "step_profile_cpu.png").stat().st_size > 0
+    # --trace: each mode's timeline, gzipped Chrome trace JSON, named after the mode in plain characters
+    assert [r["trace"] for r in result["rows"]] == ["step_profile_cpu_eager.trace.json.gz",
+                                                     "step_profile_cpu_accel_compute.compile_false.trace.json.gz"]
+    for r in result["rows"]:
+        with gzip.open(tmp_path / r["trace"], "rt") as f:
+            assert json.load(f)["traceEvents"]
 
 
 def test_bad_size_names_the_argument():
