@@ -6,6 +6,8 @@ import datetime as _dt
 import json
 import os
 import platform
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -19,6 +21,18 @@ def sync(device) -> None:
     """Wait for the device's queued work, so that a timer stopped after it measures the work (CUDA)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall seconds of `repeats` calls of fn, after one untimed call (allocations, first-call caches).
+    fn must wait for its own work (CPU code, or a sync at its end)."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
 
 
 def device_name(device: str) -> str:

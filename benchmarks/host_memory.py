@@ -17,7 +17,6 @@ import argparse
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,13 +49,7 @@ def _step_seconds(setting: str, batch: int, seq: int, layers: int, steps: int, t
         opt.step()
         opt.zero_grad()
 
-    step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return _report.median_seconds(step, steps)
 
 
 def _run_worker(setting: str, size: str, args) -> float:

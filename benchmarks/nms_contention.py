@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,16 +33,6 @@ def _inputs(n: int):
     xy = torch.rand(n, 2, generator=g) * 400
     boxes = torch.cat([xy, xy + torch.rand(n, 2, generator=g) * 40 + 0.5], 1)
     return boxes, torch.rand(n, generator=g)
-
-
-def _time(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -68,9 +56,9 @@ def main() -> None:
         try:
             for name, fn in ops.items():
                 torch.set_num_threads(threads)
-                all_threads = _time(fn, args.repeats)
+                all_threads = _report.median_seconds(fn, args.repeats)
                 torch.set_num_threads(1)
-                one_thread = _time(fn, args.repeats)
+                one_thread = _report.median_seconds(fn, args.repeats)
                 torch.set_num_threads(threads)
                 rows.append({"op": name, "load": load, "threads": threads, "all_s": all_threads,
                              "one_s": one_thread, "ratio": one_thread / all_threads})
