@@ -33,7 +33,8 @@ What it does, in order (each step says why it sits where it does):
    padding mask, also under torch.compile (where transformers would build one), and with the attention
    module's own dropout layer where step 4 swapped it.
 7. compile (compute.compile): cuda and cpu compile the module in place with torch.compile, static
-   shapes (one graph per bucket shape), CUDA graphs on cuda when compute.cuda_graphs. On xla the
+   shapes (one graph per bucket shape), CUDA graphs on cuda when compute.cuda_graphs (a graph Inductor runs
+   without them gets a CudaGraphSkipWarning with its reason: accel.compiler.cudagraph_skips). On xla the
    lazy-tensor device itself is the compiler.
    Optimizers the user builds over the model's parameters (cuda, cpu): torch Adam/AdamW at their defaults
    switch to torch's fused kernel, and steps are compiled where that pays (accel.compiler.optimizer); with
@@ -168,9 +169,11 @@ def _compile(model: nn.Module, backend: str, cuda_graphs: bool, n_shapes: int) -
     graphs = backend == "cuda" and cuda_graphs
     model.compile(dynamic=False, mode="reduce-overhead" if graphs else None)
     if graphs:  # a .grad kept past its step (zero_grad(set_to_none=False), micro-batches) must outlive replays
+        from accel.compiler import cudagraph_skips
         from accel.compiler.graph_pool_grads import keep_grads_out_of_graph_pool
 
         keep_grads_out_of_graph_pool(model)
+        cudagraph_skips.watch()  # Inductor falling back to a launch per kernel says so only in a log that is off
 
 
 def _wrap_loader(loader, config: Config, backend: str, device: torch.device, input_sharding=None,

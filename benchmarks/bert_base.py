@@ -42,7 +42,8 @@ Modes (one row each, in this order, one process)
                  an A/B of one of accelerate()'s choices in the same run (any number of such rows).
 
 Reported per mode: samples/s and real (non-pad) tokens/s over the timed steps; step time median and p90;
-the times Inductor ran a graph without the CUDA graphs it was asked for (graph skips; why: TORCH_LOGS=perf_hints);
+the times Inductor ran a graph without the CUDA graphs it was asked for (graph skips; each reason is printed
+under the table and kept in the row: accel.compiler.cudagraph_skips listens to Inductor's perf hints);
 the host's time per step (median; from taking the batch to the step's return, which on CUDA waits for the
 device only where the step itself does, e.g. the peer's copy of a pageable batch: close to the step time
 when the host bounds the step, below it when the GPU does);
@@ -103,6 +104,7 @@ rewritten after every row, so a run cut short keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -680,12 +682,25 @@ def restore_hooks() -> None:
 
 
 def cudagraph_skips() -> int:
-    """Times Inductor has run a compiled graph without CUDA graphs where they were asked for (mode
-    "reduce-overhead"): it says why only in its perf hints (TORCH_LOGS=perf_hints), and the step then pays a
-    host launch per kernel."""
+    """Times Inductor has run a compiled graph without the CUDA graphs it was asked for (mode
+    "reduce-overhead"); the step then pays a host launch per kernel. Why: cudagraph_skip_reasons()."""
     from torch._dynamo.utils import counters
 
     return counters["inductor"]["cudagraph_skips"]
+
+
+def cudagraph_skip_reasons(since: int = 0) -> list[str]:
+    """The reasons Inductor gave for each skip (accel.compiler.cudagraph_skips listens from main()'s start;
+    TORCH_LOGS=perf_hints is not needed), from the `since`-th on."""
+    from accel.compiler import cudagraph_skips
+
+    return cudagraph_skips.reasons()[since:]
+
+
+def distinct(reasons: list[str]) -> list[str]:
+    """Each reason once, in order, with how often it came when more than once."""
+    counts = collections.Counter(reasons)
+    return [r + (f" (x{counts[r]})" if counts[r] > 1 else "") for r in dict.fromkeys(reasons)]
 
 
 def run_mode(mode: str, ctx: Context, args) -> dict:
@@ -693,7 +708,7 @@ def run_mode(mode: str, ctx: Context, args) -> dict:
     row = {"workload": ctx.workload.name, "mode": mode}
     release_memory()
     memory = PeakMemory(ctx.device)
-    skips = cudagraph_skips()
+    skips, heard = cudagraph_skips(), len(cudagraph_skip_reasons())
     try:
         run = setup(mode, ctx)
         # Seeded after the set-up, which may draw numbers (accel-kernels builds a model): every mode that
@@ -711,6 +726,7 @@ def run_mode(mode: str, ctx: Context, args) -> dict:
     stats = summarize(raw, run.device, *flop_coefficients(ctx.initial_model))
     return {**row, "status": "ok", "device": str(run.device), "precision": run.precision,
             "same_data": not run.packed, "cudagraph_skips": cudagraph_skips() - skips,
+            "cudagraph_skip_reasons": distinct(cudagraph_skip_reasons(heard)),
             **peak_memory(memory, run.device), **stats, **raw}
 
 
@@ -781,6 +797,8 @@ def print_workload(name: str, rows: list[dict]) -> None:
             print(f"  {r['mode']} {r['status']}: {r['reason']}")
         else:
             print(f"  {r['mode']}: {r['precision']} on {r['device']}")
+            for reason in r.get("cudagraph_skip_reasons", []):
+                print(f"    graph skip: {reason}")
 
 
 def plot(rows: list[dict], env: dict, name: str, directory: Path):
@@ -1017,6 +1035,9 @@ def run_all(workloads: list[Workload], initial_model, args, results: Results) ->
 def main(argv=None) -> int:
     args = parse_args(argv)
     start_xla_if_needed(args.modes)
+    from accel.compiler import cudagraph_skips
+
+    cudagraph_skips.watch()  # every mode's skips with their reasons, the peer's too
     env = _report.environment(str(args.device))
     # accelerate() makes glibc keep freed memory for models on the CPU, for the whole process; the rows share
     # one process, so every row gets it from the start and they compare the rest (its own gain:

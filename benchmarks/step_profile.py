@@ -112,7 +112,7 @@ def profile_mode(mode: str, ctx: bb.Context, warmup: int, steps: int, top: int, 
     """One mode's row; with `trace`, the profiled steps' timeline is written there too (Chrome trace format,
     gzipped: chrome://tracing or ui.perfetto.dev), host threads and device streams side by side."""
     row = {"mode": mode}
-    skips = bb.cudagraph_skips()
+    skips, heard = bb.cudagraph_skips(), len(bb.cudagraph_skip_reasons())
     try:
         run = bb.setup(mode, ctx)  # accel:F=V variants too
         for _ in range(warmup):
@@ -149,6 +149,7 @@ def profile_mode(mode: str, ctx: bb.Context, warmup: int, steps: int, top: int, 
             "wall_ms": wall_ms, "host_ms": issued / steps * 1e3, "busy_ms": busy_ms,
             "gap_ms": max(wall_ms - busy_ms, 0.0), "host_calls": host_calls(prof, steps),
             "cudagraph_skips": bb.cudagraph_skips() - skips,
+            "cudagraph_skip_reasons": bb.distinct(bb.cudagraph_skip_reasons(heard)),
             "host_top": host_top(prof, steps, top) if run.device.type == "cuda" else [],  # on the CPU "top" lists the ops
             "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "top": [{"name": n, "calls_per_step": c / steps, "ms_per_step": t / steps / 1e3, "kind": kind_of(n)}
@@ -173,6 +174,9 @@ def print_report(rows: list[dict]) -> None:
         table += [{"what": f"{kind} / step", **{r["mode"]: r["host_calls"][kind] for r in ok}}
                   for kind, _ in HOST_CALLS]
     _report.print_table(table, [("what", "per step", "")] + [(r["mode"], r["mode"], ".3f") for r in ok])
+    for r in ok:
+        for reason in r["cudagraph_skip_reasons"]:
+            print(f"{r['mode']}: graph skip: {reason}")
     for r in ok:
         print(f"\ntop kernels, {r['mode']} ({r['precision']})")
         _report.print_table([{**t, "name": t["name"][:90]} for t in r["top"]],
@@ -230,6 +234,9 @@ def main(argv=None) -> int:
     print(f"BERT {'(quick)' if args.quick else 'base'} {workload.name} on {_report.device_name(str(device))}: "
           f"{args.warmup} warm-up + {args.steps} profiled steps per mode", flush=True)
     model = bb.build_model(config, args.seed)
+    from accel.compiler import cudagraph_skips
+
+    cudagraph_skips.watch()  # the reason of every skip, each mode's own
     rows = []
     name = f"step_profile_{device.type}"
     payload = {**_report.environment(str(device)), "workload": workload.name, "args": vars(args), "rows": rows}

@@ -33,6 +33,8 @@ def _assert_rows(result, workloads, modes):
             assert row["tokens_per_s"] > 0 and row["samples_per_s"] > 0
             assert row["step_ms_p90"] >= row["step_ms_median"] > 0
             assert row["host_ms_median"] > 0 and row["cudagraph_skips"] >= 0
+            # a reason for every skip (distinct ones listed once): a skip without its reason is a lost clue
+            assert bool(row["cudagraph_skips"]) == bool(row["cudagraph_skip_reasons"])
             if not str(row["device"]).startswith("cuda"):  # host clock, device synced after the host's part
                 assert row["host_ms_median"] <= row["step_ms_median"]
                 assert row["cudagraph_skips"] == 0  # no CUDA graphs asked for on the CPU, none skipped
@@ -183,3 +185,8 @@ def test_step_clock_times_each_step_from_the_end_of_the_one_before(device):
     times = clock.step_times()
     assert len(times) == 3 and all(t > 0 for t in times)
     assert times[1] > times[0] and times[1] > times[2]  # the step that did 30x the work took longest
+
+
+def test_a_skip_reason_is_listed_once_with_its_count():
+    assert bert_base.distinct(["b", "a", "b", "b"]) == ["b (x3)", "a"]
+    assert bert_base.distinct([]) == []

@@ -35,7 +35,7 @@ def test_a_profiled_mode_splits_its_step(tmp_path):
     assert variant["status"] == "ok" and variant["mode"] == "accel:compute.compile=false"
     assert 0 < row["busy_ms"] and row["gap_ms"] >= 0 and 0 < row["host_ms"] <= row["wall_ms"]
     assert row["host_calls"] == {"graph launches": 0, "kernel launches": 0, "syncs": 0, "copies": 0}  # no CUDA
-    assert row["cudagraph_skips"] == 0  # none asked for on the CPU
+    assert row["cudagraph_skips"] == 0 and row["cudagraph_skip_reasons"] == []  # none asked for on the CPU
     assert sum(row["kinds_ms"].values()) == pytest.approx(row["busy_ms"], rel=1e-6)
     assert len(row["top"]) == 3 and row["top"][0]["ms_per_step"] >= row["top"][-1]["ms_per_step"]
     assert (tmp_path / "step_profile_cpu.png").stat().st_size > 0

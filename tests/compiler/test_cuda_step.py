@@ -135,3 +135,43 @@ def test_accelerate_on_cuda_keeps_the_model_in_place_and_loads_batches_onto_the_
     batch = next(iter(loader))
     assert batch["input_ids"].is_cuda
     copy.deepcopy(model.state_dict())
+
+
+def graph_launches(step) -> int:
+    """cudaGraphLaunch calls the host makes while running step()."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if "GraphLaunch" in e.key)
+
+
+@pytest.mark.parametrize("drop_full_masks", [False, True], ids=["mask", "no_mask"])
+def test_forward_and_backward_replay_as_cuda_graphs(drop_full_masks):
+    # what benchmarks/bert_base.py's accel row runs: if Inductor skipped the CUDA graphs asked for, every kernel
+    # would cost a host launch (BERT-base 32x128: a host-bound step) and it would say so only in a log
+    from torch._dynamo.utils import counters
+
+    from accel.compiler import cudagraph_skips
+
+    torch._dynamo.reset()
+    config = accel.Config(backend="cuda")
+    config.compute.bf16 = True
+    config.dataloader.drop_full_masks = drop_full_masks
+    skips, heard = counters["inductor"]["cudagraph_skips"], len(cudagraph_skips.reasons())
+    model, loader = accel.accelerate(tiny_bert(), batches(WARMUP + 2), config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    on_gpu = iter(loader)
+
+    def step():
+        loss = model(**next(on_gpu))["loss"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(WARMUP + 1):
+        step()
+    assert cudagraph_skips.reasons()[heard:] == []
+    assert counters["inductor"]["cudagraph_skips"] == skips
+    assert graph_launches(step) >= 2  # the forward's graph and the backward's

@@ -1,0 +1,89 @@
+"""Say when Inductor runs a compiled graph without the CUDA graphs it was asked for.
+
+mode="reduce-overhead" asks Inductor to replay each compiled graph as one CUDA graph. Where it cannot (an
+input mutated outside the graph's pool, a CPU tensor, an op that cannot be captured, a graph re-recorded past
+its limit, ...) it runs the graph's kernels one launch each instead, and says so only in its "perf_hints"
+log, which is off unless TORCH_LOGS=perf_hints. A small step then becomes bound by the host's launches
+(BERT-base at batch 32, seq 128 has some 500 kernels a step: ~10 ms of launches on a slow host against ~1 ms
+of graph replays) and nothing tells the user why.
+
+`watch()` listens to that log (every skip goes through torch._inductor.cudagraph_utils' perf-hints logger,
+whatever the log settings) and warns once per distinct reason with a CudaGraphSkipWarning; `reasons()` lists
+what it heard, for benchmarks to record. accelerate() watches whenever it compiles with CUDA graphs.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+
+__all__ = ["CudaGraphSkipWarning", "reasons", "watch"]
+
+# The logger Inductor's log_cudagraph_skip_and_bump_counter writes each skip to (torch 2.9-2.13): the
+# perf_hints artifact logger of torch._inductor.cudagraph_utils.
+_LOGGER = "torch._inductor.cudagraph_utils.__perf_hints"
+# A reason's first line names the cause; the rest is a stack trace of the user's code.
+_MAX_CHARS = 400
+
+
+class CudaGraphSkipWarning(UserWarning):
+    """A compiled graph runs without the CUDA graphs asked for (one warning per distinct reason)."""
+
+
+class _SkipHandler(logging.Handler):
+    def __init__(self):
+        super().__init__(level=logging.WARNING)
+        self.lock_ = threading.Lock()
+        self.heard: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a log record that cannot be formatted is not ours to raise
+            return
+        if "cudagraph" not in message:
+            return
+        reason = _reason(message)
+        with self.lock_:
+            new = reason not in self.heard
+            self.heard.append(reason)
+        if new:
+            warnings.warn(f"accel: a compiled graph runs without CUDA graphs, one host launch per kernel: {reason}",
+                          CudaGraphSkipWarning)
+
+
+def _reason(message: str) -> str:
+    """The cause (the message's first line) and, where Inductor gives the stack that led to it, its innermost
+    frame: 'skipping cudagraphs due to mutated inputs (1 instances) [at File ".../x.py", line 9, in f: x.add_(1)]'."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    reason = lines[0].removesuffix("Found from :").rstrip(" .:")
+    frames = [i for i, line in enumerate(lines) if line.startswith("File ")]
+    if frames:
+        last = frames[-1]
+        code = lines[last + 1] if last + 1 < len(lines) and not lines[last + 1].startswith("File ") else ""
+        reason += f" [at {lines[last]}" + (f": {code}]" if code else "]")
+    return reason if len(reason) <= _MAX_CHARS else reason[:_MAX_CHARS - 3] + "..."
+
+
+_handler: _SkipHandler | None = None
+_install_lock = threading.Lock()
+
+
+def watch() -> None:
+    """Start listening (once per process; later calls change nothing)."""
+    global _handler
+    with _install_lock:
+        if _handler is None:
+            _handler = _SkipHandler()
+            logging.getLogger(_LOGGER).addHandler(_handler)
+
+
+def reasons() -> list[str]:
+    """Every skip heard since watch() was first called, in order, one entry per skip (its cause and the
+    innermost frame of the code that led to it, where Inductor gives one)."""
+    if _handler is None:
+        return []
+    with _handler.lock_:
+        return list(_handler.heard)
