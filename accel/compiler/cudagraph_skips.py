@@ -7,21 +7,26 @@ log, which is off unless TORCH_LOGS=perf_hints. A small step then becomes bound 
 (BERT-base at batch 32, seq 128 has some 500 kernels a step: ~10 ms of launches on a slow host against ~1 ms
 of graph replays) and nothing tells the user why.
 
-`watch()` listens to that log (every skip goes through torch._inductor.cudagraph_utils' perf-hints logger,
-whatever the log settings) and warns once per distinct reason with a CudaGraphSkipWarning; `reasons()` lists
-what it heard, for benchmarks to record. accelerate() watches whenever it compiles with CUDA graphs.
+`watch()` listens to that log (every skip goes through torch._inductor.cudagraph_utils'
+log_cudagraph_skip_and_bump_counter, which writes it to that module's artifact logger: "perf_hints" up to
+torch 2.12, "cudagraphs" in 2.13; a handler on the logger itself hears it whatever the log settings) and warns
+once per distinct reason with a CudaGraphSkipWarning; `reasons()` lists what it heard, for benchmarks to
+record. accelerate() watches whenever it compiles with CUDA graphs.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 import warnings
 
 __all__ = ["CudaGraphSkipWarning", "reasons", "watch"]
 
-# The logger Inductor's log_cudagraph_skip_and_bump_counter writes each skip to (torch 2.9-2.13): the
-# perf_hints artifact logger of torch._inductor.cudagraph_utils.
-_LOGGER = "torch._inductor.cudagraph_utils.__perf_hints"
+_MODULE = "torch._inductor.cudagraph_utils"
+# Its artifact loggers by the names torch 2.9-2.13 give them, where the module's globals show none.
+_KNOWN_LOGGERS = (f"{_MODULE}.__perf_hints", f"{_MODULE}.__cudagraphs")
+# The one other warning those loggers write: a graph recorded for many input sizes, which still replays.
+_NOT_A_SKIP = "CUDAGraph supports dynamic shapes"
 # A reason's first line names the cause; the rest is a stack trace of the user's code.
 _MAX_CHARS = 400
 
@@ -41,7 +46,7 @@ class _SkipHandler(logging.Handler):
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - a log record that cannot be formatted is not ours to raise
             return
-        if "cudagraph" not in message:
+        if message.startswith(_NOT_A_SKIP):
             return
         reason = _reason(message)
         with self.lock_:
@@ -71,13 +76,27 @@ _handler: _SkipHandler | None = None
 _install_lock = threading.Lock()
 
 
+def _skip_loggers() -> list[logging.Logger]:
+    """The artifact loggers of torch._inductor.cudagraph_utils (the skips go to one of them)."""
+    try:
+        module = importlib.import_module(_MODULE)
+    except ImportError:  # a torch without Inductor has no CUDA graphs to skip
+        return []
+    found = {v.name: v for v in vars(module).values()
+             if isinstance(v, logging.Logger) and v.name.startswith(f"{_MODULE}.__")}
+    for name in _KNOWN_LOGGERS:
+        found.setdefault(name, logging.getLogger(name))
+    return list(found.values())
+
+
 def watch() -> None:
     """Start listening (once per process; later calls change nothing)."""
     global _handler
     with _install_lock:
         if _handler is None:
             _handler = _SkipHandler()
-            logging.getLogger(_LOGGER).addHandler(_handler)
+            for logger in _skip_loggers():
+                logger.addHandler(_handler)
 
 
 def reasons() -> list[str]:

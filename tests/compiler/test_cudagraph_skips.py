@@ -34,12 +34,14 @@ def test_each_reason_warns_once_and_every_skip_is_recorded():
     assert warned[0].endswith(expected) and "one host launch per kernel" in warned[0]
 
 
-def test_other_perf_hints_are_not_skips():
+def test_a_graph_recorded_for_many_sizes_is_not_a_skip():
+    # the one other warning of that log (it still replays): torch's own message, from torch's own function
     cudagraph_skips.watch()
     heard = len(cudagraph_skips.reasons())
+    limit = torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit
     with warnings.catch_warnings():
         warnings.simplefilter("error", CudaGraphSkipWarning)
-        _report.perf_hint_log.warning("a reduction could be split")
+        assert _report.maybe_warning_due_to_dynamic_shape({i: None for i in range(limit)}, limit + 1)
     assert cudagraph_skips.reasons()[heard:] == []
 
 
