@@ -43,7 +43,7 @@ Modes (one row each, in this order, one process)
 
 Reported per mode: samples/s and real (non-pad) tokens/s over the timed steps; step time median and p90;
 the times Inductor ran a graph without the CUDA graphs it was asked for (graph skips; each reason is printed
-under the table and kept in the row: accel.compiler.cudagraph_skips listens to Inductor's perf hints);
+under the table and kept in the row: accel.compiler.cudagraph_skips listens to Inductor's CUDA-graph log);
 the host's time per step (median; from taking the batch to the step's return, which on CUDA waits for the
 device only where the step itself does, e.g. the peer's copy of a pageable batch: close to the step time
 when the host bounds the step, below it when the GPU does);
@@ -690,8 +690,8 @@ def cudagraph_skips() -> int:
 
 
 def cudagraph_skip_reasons(since: int = 0) -> list[str]:
-    """The reasons Inductor gave for each skip (accel.compiler.cudagraph_skips listens from main()'s start;
-    TORCH_LOGS=perf_hints is not needed), from the `since`-th on."""
+    """The reasons Inductor gave for each skip (accel.compiler.cudagraph_skips listens from main()'s start,
+    whatever TORCH_LOGS says), from the `since`-th on."""
     from accel.compiler import cudagraph_skips
 
     return cudagraph_skips.reasons()[since:]

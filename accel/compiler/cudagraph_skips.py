@@ -2,8 +2,9 @@
 
 mode="reduce-overhead" asks Inductor to replay each compiled graph as one CUDA graph. Where it cannot (an
 input mutated outside the graph's pool, a CPU tensor, an op that cannot be captured, a graph re-recorded past
-its limit, ...) it runs the graph's kernels one launch each instead, and says so only in its "perf_hints"
-log, which is off unless TORCH_LOGS=perf_hints. A small step then becomes bound by the host's launches
+its limit, ...) it runs the graph's kernels one launch each instead, and says so only in a log: torch up to 2.12 writes it
+to the "perf_hints" log, off unless TORCH_LOGS=perf_hints; 2.13 to its "cudagraphs" log, among a training
+run's other log lines. A small step then becomes bound by the host's launches
 (BERT-base at batch 32, seq 128 has some 500 kernels a step: ~10 ms of launches on a slow host against ~1 ms
 of graph replays) and nothing tells the user why.
 
@@ -38,8 +39,7 @@ class CudaGraphSkipWarning(UserWarning):
 class _SkipHandler(logging.Handler):
     def __init__(self):
         super().__init__(level=logging.WARNING)
-        self.lock_ = threading.Lock()
-        self.heard: list[str] = []
+        self.heard: list[str] = []  # guarded by the handler's own lock, which handle() holds around emit()
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -49,9 +49,8 @@ class _SkipHandler(logging.Handler):
         if message.startswith(_NOT_A_SKIP):
             return
         reason = _reason(message)
-        with self.lock_:
-            new = reason not in self.heard
-            self.heard.append(reason)
+        new = reason not in self.heard
+        self.heard.append(reason)
         if new:
             warnings.warn(f"accel: a compiled graph runs without CUDA graphs, one host launch per kernel: {reason}",
                           CudaGraphSkipWarning)
@@ -104,5 +103,5 @@ def reasons() -> list[str]:
     innermost frame of the code that led to it, where Inductor gives one)."""
     if _handler is None:
         return []
-    with _handler.lock_:
+    with _handler.lock:
         return list(_handler.heard)
