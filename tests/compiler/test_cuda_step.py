@@ -137,14 +137,16 @@ def test_accelerate_on_cuda_keeps_the_model_in_place_and_loads_batches_onto_the_
     copy.deepcopy(model.state_dict())
 
 
-def graph_launches(step) -> int:
-    """cudaGraphLaunch calls the host makes while running step()."""
+def graph_launches(step) -> float:
+    """Graph launches the host makes while running step(), counted as benchmarks/step_profile.py counts them."""
     from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.step_profile import host_calls
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    return sum(e.count for e in prof.key_averages() if "GraphLaunch" in e.key)
+    return host_calls(prof, steps=1)["graph launches"]
 
 
 @pytest.mark.parametrize("drop_full_masks", [False, True], ids=["mask", "no_mask"])
