@@ -46,7 +46,8 @@ the times Inductor ran a graph without the CUDA graphs it was asked for (graph s
 under the table and kept in the row: accel.compiler.cudagraph_skips listens to Inductor's CUDA-graph log);
 the host's time per step (median; from taking the batch to the step's return, which on CUDA waits for the
 device only where the step itself does, e.g. the peer's copy of a pageable batch: close to the step time
-when the host bounds the step, below it when the GPU does);
+when the host bounds the step, below it when the GPU does), and the part of it spent taking the batch (data
+ms: the loader's work, or for a Prefetcher the wait for its thread, which a GIL shared with the step can stretch);
 compile time (what the warm-up steps took beyond warm-up x the timed median: compiling, CUDA graph
 capture, kernel builds) and compile count (torch._dynamo's unique graphs, plus XLA compiles on an XLA
 device); peak memory (CUDA: torch.cuda.max_memory_allocated; CPU, XLA on CPU included: peak RSS during
@@ -609,13 +610,15 @@ def measure(run: Run, warmup: int, steps: int, desc: str) -> dict:
     from tqdm import tqdm
 
     compiles_start = compile_count(run.device)
-    losses, timed_counts, host_times = [], [], []
+    losses, timed_counts, host_times, data_times = [], [], [], []
     clock = StepClock(run.device)
     for i in tqdm(range(warmup + steps), desc=desc, unit="step"):
         start = time.perf_counter()
         batch = next(run.batches)
+        fetched = time.perf_counter()
         loss = run.step(batch)
         host_times.append(time.perf_counter() - start)
+        data_times.append(fetched - start)
         losses.append(loss.detach().clone())  # clone: a CUDA graph replay reuses its output buffer
         # counted in the warm-up too: on XLA the counting ops are part of the step's graph, and a graph
         # that first grew them in the timed steps would compile again there
@@ -631,7 +634,7 @@ def measure(run: Run, warmup: int, steps: int, desc: str) -> dict:
     compiles_end = compile_count(run.device)
     samples, tokens, attention_sq = (int(x) for x in torch.stack(timed_counts).sum(0).cpu().tolist())
     return {"losses": [float(x) for x in torch.stack([x.float() for x in losses]).cpu().tolist()],
-            "step_times": times, "host_times": host_times, "warmup": warmup, "samples": samples, "tokens": tokens,
+            "step_times": times, "host_times": host_times, "data_times": data_times, "warmup": warmup, "samples": samples, "tokens": tokens,
             "attention_len_sq": attention_sq, "compiles": compiles_end - compiles_start,
             "compiles_timed": compiles_end - compiles_warm}
 
@@ -643,6 +646,7 @@ def summarize(raw: dict, device: torch.device, flops_per_token: float, attention
     row = {"samples_per_s": raw["samples"] / seconds, "tokens_per_s": raw["tokens"] / seconds,
            "step_ms_median": median * 1e3, "step_ms_p90": percentile(timed, 0.9) * 1e3,
            "host_ms_median": statistics.median(raw["host_times"][raw["warmup"]:]) * 1e3,
+           "data_ms_median": statistics.median(raw["data_times"][raw["warmup"]:]) * 1e3,
            "compile_s": max(0.0, sum(raw["step_times"][:raw["warmup"]]) - raw["warmup"] * median),
            "first_loss": raw["losses"][0], "final_loss": raw["losses"][-1]}
     peak = peak_flops(device)
@@ -783,6 +787,7 @@ def check_losses(rows: list[dict], first_tolerance: float) -> list[str]:
 
 TABLE = [("mode", "mode", ""), ("samples_per_s", "samples/s", ".1f"), ("tokens_per_s", "real tok/s", ".0f"),
          ("step_ms_median", "step ms", ".1f"), ("step_ms_p90", "p90 ms", ".1f"), ("host_ms_median", "host ms", ".1f"),
+         ("data_ms_median", "data ms", ".2f"),
          ("compile_s", "compile s", ".1f"), ("compiles", "compiles", "d"), ("compiles_timed", "timed", "d"),
          ("cudagraph_skips", "graph skips", "d"), ("peak_mem_mb", "peak MB", ".0f"), ("mfu", "MFU", ".1%"),
          ("first_loss", "loss 1", ".4f"), ("final_loss", "loss N", ".4f"),

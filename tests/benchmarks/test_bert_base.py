@@ -33,6 +33,8 @@ def _assert_rows(result, workloads, modes):
             assert row["tokens_per_s"] > 0 and row["samples_per_s"] > 0
             assert row["step_ms_p90"] >= row["step_ms_median"] > 0
             assert row["host_ms_median"] > 0 and row["cudagraph_skips"] >= 0
+            # taking the batch is part of the host's step: per step data <= host, so their medians too
+            assert 0 < row["data_ms_median"] <= row["host_ms_median"]
             # a reason for every skip (distinct ones listed once): a skip without its reason is a lost clue
             assert bool(row["cudagraph_skips"]) == bool(row["cudagraph_skip_reasons"])
             if not str(row["device"]).startswith("cuda"):  # host clock, device synced after the host's part
