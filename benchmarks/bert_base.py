@@ -38,6 +38,9 @@ Modes (one row each, in this order, one process)
                  alone (the classifier reads nothing else), on packed rows each sample's first token. On the
                  fixed workload also dataloader.drop_full_masks (its batches have no padding): attention
                  runs unmasked ("accel_sdpa", accel.compiler.unpadded_attention), under compile too.
+  accel-model-only  accel's row with accelerate(model) alone: the loop takes the workload's batches and copies
+                 them as the peer does (a mask of ones dropped as accelerate()'s loader would): the A/B of
+                 accelerate()'s loader (its Prefetcher thread) against none. Only when --modes names it.
   accel:F=V[+F=V...]  the accel row with Config fields set otherwise, e.g. accel:compute.fuse_qkv=false:
                  an A/B of one of accelerate()'s choices in the same run (any number of such rows).
 
@@ -132,6 +135,7 @@ from accel.runtime.host_memory import keep_freed_memory, return_freed_memory  # 
 from benchmarks import _report  # noqa: E402
 
 MODES = ("eager", "eager-amp", "peer", "accel-kernels", "accel-xla", "accel")
+EXTRA_MODES = ("accel-model-only",)  # run only when --modes names them
 BERT_BASE_CASED = dict(vocab_size=28996, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                        intermediate_size=3072, max_position_embeddings=512, type_vocab_size=2, num_labels=2)
 QUICK_BERT = dict(BERT_BASE_CASED, vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -504,7 +508,18 @@ def setup_accel_xla(ctx: Context) -> Run:
     return Run(step, batches, device, "fp32 (XLA), syncfree.AdamW")
 
 
-def setup_accel(ctx: Context, overrides: dict[str, str] | None = None) -> Run:
+def _batches_as_the_peer_takes_them(ctx: Context, config, device: torch.device) -> Iterator[dict]:
+    """The workload's batches, endless, for accel-model-only: copied in the loop (to_device, as the peer's are), with
+    what accelerate()'s loader would change in them (a mask of ones dropped) done here."""
+    from accel.data.full_mask import without_full_mask
+
+    drop = config.dataloader.drop_full_masks
+    return (to_device(without_full_mask(b) if drop else b, device) for b in endless(ctx.workload.loader()))
+
+
+def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_only: bool = False) -> Run:
+    """accel's row; `model_only`: accelerate(model) alone, the batches taken as the peer takes them (the
+    A/B of accelerate()'s loader, its Prefetcher thread included, against none)."""
     import accel
 
     if not hasattr(accel, "accelerate"):
@@ -518,7 +533,14 @@ def setup_accel(ctx: Context, overrides: dict[str, str] | None = None) -> Run:
         config.dataloader.drop_full_masks = True
     config = accel_config(overrides or {}, config)  # a variant's fields last
     packed = config.dataloader.pack
-    model, loader = accel.accelerate(copy.deepcopy(ctx.initial_model), ctx.workload.loader(), config)
+    if model_only:
+        if packed or config.dataloader.bucket_lengths() is not None:
+            raise Skip("accel-model-only takes the loader's own shapes: not with dataloader.pack or buckets")
+        model = accel.accelerate(copy.deepcopy(ctx.initial_model), None, config)
+        batches = _batches_as_the_peer_takes_them(ctx, config, next(model.parameters()).device)
+    else:
+        model, loader = accel.accelerate(copy.deepcopy(ctx.initial_model), ctx.workload.loader(), config)
+        batches = endless(loader)
     opt = torch.optim.AdamW(model.parameters(), lr=ctx.lr)
 
     def step(batch):
@@ -530,11 +552,12 @@ def setup_accel(ctx: Context, overrides: dict[str, str] | None = None) -> Run:
 
     device = next(model.parameters()).device  # the backend accelerate() chose; its batches arrive there
     precision = "compute.bf16: " + ("bf16 autocast" if native_bf16(device) else "fp32 here (bf16 not native)")
-    return Run(step, endless(loader), device, precision + (", packed rows" if packed else ""), packed=packed)
+    return Run(step, batches, device, precision + (", packed rows" if packed else ""), packed=packed)
 
 
 SETUPS = {"eager": setup_eager, "eager-amp": setup_eager_amp, "peer": setup_peer,
-          "accel-kernels": setup_accel_kernels, "accel-xla": setup_accel_xla, "accel": setup_accel}
+          "accel-kernels": setup_accel_kernels, "accel-xla": setup_accel_xla, "accel": setup_accel,
+          "accel-model-only": lambda ctx: setup_accel(ctx, model_only=True)}
 
 
 def setup(mode: str, ctx: Context) -> Run:
@@ -844,9 +867,9 @@ def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
 
 def parse_modes(text: str) -> list[str]:
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in modes if split_mode(m)[0] not in MODES]
+    unknown = [m for m in modes if split_mode(m)[0] not in MODES + EXTRA_MODES]
     if unknown or not modes:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {', '.join(MODES + EXTRA_MODES)}")
     for mode in modes:
         try:
             accel_config(split_mode(mode)[1])
@@ -892,7 +915,7 @@ def accel_config(overrides: dict[str, str], config=None):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=("fixed", "guide", "both"), help="default: both on CUDA, fixed on CPU")
-    ap.add_argument("--modes", type=parse_modes, default=list(MODES), help=f"comma-separated, from {','.join(MODES)}")
+    ap.add_argument("--modes", type=parse_modes, default=list(MODES), help=f"comma-separated, from {','.join(MODES + EXTRA_MODES)} (default: all but {','.join(EXTRA_MODES)})")
     ap.add_argument("--steps", type=int, help="timed steps per mode")
     ap.add_argument("--warmup", type=int, help="steps before timing (compiles happen there)")
     ap.add_argument("--batch", type=int, help="batch of both workloads (overrides the defaults)")

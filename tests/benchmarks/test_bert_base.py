@@ -65,6 +65,19 @@ def test_quick_other_modes(tmp_path, mode):
     _assert_rows(result, ["fixed 4x32"], ["eager", mode])
 
 
+@pytest.mark.slow
+def test_accel_model_only_takes_the_batches_itself_and_trains_as_accel(tmp_path):
+    # the A/B of accelerate()'s loader: the same steps on the same batches, so the same losses
+    status, result = _run(tmp_path, "--workload", "both", "--modes", "accel,accel-model-only")
+    assert status == 0
+    rows = {(r["workload"], r["mode"]): r for r in result["rows"]}
+    ours, own = rows[("fixed 4x32", "accel")], rows[("fixed 4x32", "accel-model-only")]
+    assert own["status"] == "ok" and own["losses"] == pytest.approx(ours["losses"], rel=1e-5, abs=1e-6)
+    packed = rows[("guide 4x<=64", "accel-model-only")]  # accel packs there: only its loader can
+    assert packed["status"] == "skipped" and "dataloader.pack" in packed["reason"]
+    assert "accel-model-only" not in bert_base.parse_args([]).modes  # only when named
+
+
 def test_headline_rows_run_first_and_a_spent_budget_skips_the_rest(tmp_path):
     order = bert_base.run_order(2, ["eager", "peer", "accel-kernels", "accel"])
     assert order == [(0, "peer"), (0, "accel"), (1, "peer"), (1, "accel"),
