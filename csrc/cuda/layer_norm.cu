@@ -13,7 +13,8 @@
 // pass over x and dy. Each team keeps its part of the row in registers for dx and adds dy*xhat and dy
 // into per-thread dweight/dbias sums over all the rows it takes; a block then writes one fp32 row of
 // partial sums, and column_sum.cuh sums those rows in a fixed order (deterministic, no atomics).
-// Wider rows take two sweeps: the dx kernel, then per row-chunk partials of dweight/dbias.
+// Wider rows take two sweeps of x and dy: the row sums by a team a row, then dx and the per-row-chunk partials
+// of dweight/dbias by column tiles (dx alone: both sweeps by the row's team).
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -320,14 +321,19 @@ __device__ __forceinline__ Pack<T, VEC> dx_vector(const Pack<T, VEC>& px, const 
   return out;
 }
 
-// dx alone, for rows wider than the fused kernel takes (their dweight/dbias come from the two stages below).
+// Rows wider than the fused kernel takes. Without dweight/dbias: dx alone, two sweeps of a row by its team.
+// With them, SUMS_ONLY: the first sweep alone, which writes the row's a = mean(w*dy) and bsum = mean(w*dy*xhat)
+// to row_means[2 * row + 0 / 1]; layer_norm_bwd_dx_params_kernel then makes dx and the dweight/dbias partials
+// in one more sweep (two sweeps of x and dy in all, where dx then a separate dweight/dbias pass took three).
 // Assumptions: blockDim.x = tpr * rows per block, tpr a power of two in [32, 1024]; VEC elements per access,
-// N % VEC == 0 and every pointer aligned to a whole vector; any grid (grid-stride over row groups).
-template <typename T, typename P, int VEC>
+// N % VEC == 0 and every pointer aligned to a whole vector; any grid (grid-stride over row groups);
+// SUMS_ONLY: row_means holds 2 * M values (dx is not written); else dx holds M * N.
+template <typename T, typename P, int VEC, bool SUMS_ONLY>
 __global__ void __launch_bounds__(kMaxTeam) layer_norm_bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                          const typename AccOf<T>::type* __restrict__ mean,
                                          const typename AccOf<T>::type* __restrict__ rstd, const P* __restrict__ w,
-                                         T* __restrict__ dx, int64_t M, int64_t N, int tpr) {
+                                         T* __restrict__ dx, typename AccOf<T>::type* __restrict__ row_means,
+                                         int64_t M, int64_t N, int tpr) {
   using acc_t = typename AccOf<T>::type;
   __shared__ Sums<acc_t> smem[kMaxTeam / kWarp];
   const int rpb = blockDim.x / tpr;
@@ -354,6 +360,13 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_bwd_dx_kernel(const T* __
     if (!valid) continue;
     const acc_t a = s.a * inv_n;
     const acc_t bsum = s.b * inv_n;
+    if constexpr (SUMS_ONLY) {
+      if (lane == 0) {
+        row_means[2 * row] = a;
+        row_means[2 * row + 1] = bsum;
+      }
+      continue;
+    }
     Pack<T, VEC>* dxr = reinterpret_cast<Pack<T, VEC>*>(dx + row * N);
     for (int64_t v = lane; v < nvec; v += tpr) {
       Pack<P, VEC> pw;
@@ -464,42 +477,68 @@ __global__ void __launch_bounds__(kFusedMaxThreads) layer_norm_bwd_fused_kernel(
   }
 }
 
-// Stage 1 of dweight/dbias for rows wider than the fused kernel takes: block (kCols, kRowThreads) sums rows
-// [chunk*rows_per_chunk, +rows_per_chunk) of kCols columns into partial[chunk][0 or 1][col]; stage 2 is
-// csrc/cuda/column_sum.cuh.
-constexpr int kCols = 32;
-constexpr int kRowThreads = 16;
+// The second sweep of wide rows with dweight/dbias: dx, and stage 1 of dweight = sum(dy * xhat) and dbias =
+// sum(dy). Block (tile, chunk) owns kTileThreads vectors of columns and rows [chunk * rows_per_chunk,
+// +rows_per_chunk); thread (tx, ty) takes its column vector in rows ty, ty + kTileRows, ..., so a warp reads
+// kTileThreads whole vectors of a row (16-byte accesses, contiguous) and its weights once. The block adds its
+// kTileRows sums per column in row order and writes partial[chunk][0 or 1][col]; stage 2 is
+// csrc/cuda/column_sum.cuh. Deterministic: fixed orders, no atomics.
+// Assumptions: blockDim = (kTileThreads, kTileRows); VEC elements per access, N % VEC == 0 and every pointer
+// aligned to a whole vector; gridDim.x * kTileThreads * VEC >= N and gridDim.y * rows_per_chunk >= M;
+// row_means[2 * r + 0 / 1] = mean(w*dy), mean(w*dy*xhat) of row r (the SUMS_ONLY sweep before).
+constexpr int kTileThreads = 32;
+constexpr int kTileRows = 8;
 
-template <typename T>
-__global__ void layer_norm_bwd_params_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                                     const typename AccOf<T>::type* __restrict__ mean,
-                                                     const typename AccOf<T>::type* __restrict__ rstd,
-                                                     typename AccOf<T>::type* __restrict__ partial, int64_t M,
-                                                     int64_t N, int64_t rows_per_chunk) {
+template <typename T, typename P, int VEC>
+__global__ void __launch_bounds__(kTileThreads * kTileRows) layer_norm_bwd_dx_params_kernel(
+    const T* __restrict__ dy, const T* __restrict__ x, const typename AccOf<T>::type* __restrict__ mean,
+    const typename AccOf<T>::type* __restrict__ rstd, const typename AccOf<T>::type* __restrict__ row_means,
+    const P* __restrict__ w, T* __restrict__ dx, typename AccOf<T>::type* __restrict__ partial, int64_t M, int64_t N,
+    int64_t rows_per_chunk) {
   using acc_t = typename AccOf<T>::type;
-  __shared__ acc_t sw[kRowThreads][kCols + 1];
-  __shared__ acc_t sb[kRowThreads][kCols + 1];
-  const int64_t col = (int64_t)blockIdx.x * kCols + threadIdx.x;
+  constexpr int kTileCols = kTileThreads * VEC;
+  // sums[which][ty][k * kTileThreads + tx]: column tx * VEC + k of the tile (conflict-free stores)
+  __shared__ acc_t sums[2][kTileRows][kTileCols];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t nvec = N / VEC;
+  const int64_t v = (int64_t)blockIdx.x * kTileThreads + tx;
   const int64_t r0 = (int64_t)blockIdx.y * rows_per_chunk;
   const int64_t r1 = std::min<int64_t>(M, r0 + rows_per_chunk);
-  acc_t aw = 0, ab = 0;
-  if (col < N) {
-    for (int64_t r = r0 + threadIdx.y; r < r1; r += kRowThreads) {
-      const acc_t g = static_cast<acc_t>(dy[r * N + col]);
-      aw += g * ((static_cast<acc_t>(x[r * N + col]) - mean[r]) * rstd[r]);  // dy * xhat: finite for huge x
-      ab += g;
+  acc_t dw[VEC], db[VEC];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) dw[k] = db[k] = acc_t(0);
+  if (v < nvec) {
+    Pack<P, VEC> pw;
+    if (w != nullptr) pw = reinterpret_cast<const Pack<P, VEC>*>(w)[v];
+#pragma unroll 2
+    for (int64_t r = r0 + ty; r < r1; r += kTileRows) {
+      const Pack<T, VEC> px = reinterpret_cast<const Pack<T, VEC>*>(x + r * N)[v];
+      const Pack<T, VEC> pg = reinterpret_cast<const Pack<T, VEC>*>(dy + r * N)[v];
+      const acc_t mu = mean[r], rs = rstd[r];
+      reinterpret_cast<Pack<T, VEC>*>(dx + r * N)[v] = dx_vector(px, pg, pw, w, mu, rs, row_means[2 * r],
+                                                                 row_means[2 * r + 1]);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const acc_t g = static_cast<acc_t>(pg.v[k]);
+        dw[k] += g * ((static_cast<acc_t>(px.v[k]) - mu) * rs);  // dy * xhat: finite for huge x
+        db[k] += g;
+      }
     }
   }
-  sw[threadIdx.y][threadIdx.x] = aw;
-  sb[threadIdx.y][threadIdx.x] = ab;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    sums[0][ty][k * kTileThreads + tx] = dw[k];
+    sums[1][ty][k * kTileThreads + tx] = db[k];
+  }
   __syncthreads();
-  if (threadIdx.y == 0 && col < N) {
-    for (int i = 1; i < kRowThreads; ++i) {
-      aw += sw[i][threadIdx.x];
-      ab += sb[i][threadIdx.x];
-    }
-    partial[((int64_t)blockIdx.y * 2) * N + col] = aw;
-    partial[((int64_t)blockIdx.y * 2 + 1) * N + col] = ab;
+  const int64_t first_col = (int64_t)blockIdx.x * kTileCols;
+  for (int i = ty * kTileThreads + tx; i < 2 * kTileCols; i += kTileThreads * kTileRows) {
+    const int which = i / kTileCols, j = i % kTileCols;
+    const int64_t col = first_col + (int64_t)(j % kTileThreads) * VEC + j / kTileThreads;
+    if (col >= N) continue;
+    acc_t sum = sums[which][0][j];
+    for (int t = 1; t < kTileRows; ++t) sum += sums[which][t][j];
+    partial[((int64_t)blockIdx.y * 2 + which) * N + col] = sum;
   }
 }
 
@@ -602,6 +641,36 @@ void bwd_fused(const BwdPtrs<T, P>& d, int64_t M, int64_t N, int tpr, P* dwp, P*
   if (params) column_sum::launch<acc_t, P>(partial.const_data_ptr<acc_t>(), blocks, 2 * N, N, dwp, dbp, stream);
 }
 
+// Rows wider than the fused kernel takes, dx alone: one kernel, two sweeps of each row.
+template <typename T, typename P, int VEC>
+void wide_bwd_dx(const BwdPtrs<T, P>& d, const Launch& l, int64_t M, int64_t N, cudaStream_t stream) {
+  layer_norm_bwd_dx_kernel<T, P, VEC, false><<<l.blocks, l.threads, 0, stream>>>(d.dy, d.x, d.mean, d.rstd, d.w, d.dx,
+                                                                                  nullptr, M, N, l.tpr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Rows wider than the fused kernel takes, with dweight/dbias: the row sums (first sweep), dx with the partial
+// sums of dweight/dbias per row chunk (second sweep), then the partials summed per column.
+template <typename T, typename P, int VEC>
+void wide_bwd_dx_params(const BwdPtrs<T, P>& d, const Launch& l, int64_t M, int64_t N, P* dwp, P* dbp,
+                        const at::Tensor& like, cudaStream_t stream) {
+  using acc_t = typename AccOf<T>::type;
+  auto row_means = at::empty({M, 2}, like.options().dtype(stat_type_of(like)));
+  acc_t* rm = row_means.mutable_data_ptr<acc_t>();
+  layer_norm_bwd_dx_kernel<T, P, VEC, true><<<l.blocks, l.threads, 0, stream>>>(d.dy, d.x, d.mean, d.rstd, d.w,
+                                                                                 nullptr, rm, M, N, l.tpr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t col_tiles = (N / VEC + kTileThreads - 1) / kTileThreads;
+  TORCH_CHECK(col_tiles <= 0x7fffffff, "layer_norm_bwd: ", N, " columns are too many");
+  const auto [chunks, rows_per_chunk] = column_sum::row_chunks(M, col_tiles, 4 * kTileRows);
+  auto partial = at::empty({chunks, 2, N}, like.options().dtype(stat_type_of(like)));
+  layer_norm_bwd_dx_params_kernel<T, P, VEC><<<dim3((unsigned)col_tiles, (unsigned)chunks),
+                                               dim3(kTileThreads, kTileRows), 0, stream>>>(
+      d.dy, d.x, d.mean, d.rstd, rm, d.w, d.dx, partial.mutable_data_ptr<acc_t>(), M, N, rows_per_chunk);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  column_sum::launch<acc_t, P>(partial.const_data_ptr<acc_t>(), chunks, 2 * N, N, dwp, dbp, stream);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
     const at::Tensor& dy_, const at::Tensor& x_, const at::Tensor& mean_, const at::Tensor& rstd_,
     const c10::optional<at::Tensor>& weight_, const c10::optional<at::Tensor>& bias_, int64_t normalized_ndim,
@@ -614,7 +683,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
   dispatch_types(b.x.scalar_type(), b.param_type, [&](auto t, auto p) {
     using T = decltype(t);
     using P = decltype(p);
-    using acc_t = typename AccOf<T>::type;
     constexpr int VEC = 16 / sizeof(T);
     const auto d = ptrs_of<T, P>(b);
     P* dwp = need_dweight ? b.dweight.mutable_data_ptr<P>() : nullptr;
@@ -633,24 +701,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
     }
 
     const Launch l = launch_for(M, N, vec, kLoopVectors);
-    if (vec_ok) {
-      layer_norm_bwd_dx_kernel<T, P, VEC><<<l.blocks, l.threads, 0, stream>>>(
-          d.dy, d.x, d.mean, d.rstd, d.w, d.dx, M, N, l.tpr);
-    } else {
-      layer_norm_bwd_dx_kernel<T, P, 1><<<l.blocks, l.threads, 0, stream>>>(
-          d.dy, d.x, d.mean, d.rstd, d.w, d.dx, M, N, l.tpr);
+    const bool params = dwp != nullptr || dbp != nullptr;
+    if (!params) {
+      if (vec_ok) wide_bwd_dx<T, P, VEC>(d, l, M, N, stream);
+      else wide_bwd_dx<T, P, 1>(d, l, M, N, stream);
+      return;
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (dwp == nullptr && dbp == nullptr) return;
-
-    const int64_t col_tiles = (N + kCols - 1) / kCols;
-    const auto [chunks, rows_per_chunk] = column_sum::row_chunks(M, col_tiles, 64);
-    auto partial = at::empty({chunks, 2, N}, b.x.options().dtype(stat_type_of(b.x)));
-    layer_norm_bwd_params_partial_kernel<T><<<dim3((unsigned)col_tiles, (unsigned)chunks), dim3(kCols, kRowThreads),
-                                              0, stream>>>(d.dy, d.x, d.mean, d.rstd, partial.mutable_data_ptr<acc_t>(), M, N,
-                                                           rows_per_chunk);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    column_sum::launch<acc_t, P>(partial.const_data_ptr<acc_t>(), chunks, 2 * N, N, dwp, dbp, stream);
+    if (vec_ok) wide_bwd_dx_params<T, P, VEC>(d, l, M, N, dwp, dbp, b.x, stream);
+    else wide_bwd_dx_params<T, P, 1>(d, l, M, N, dwp, dbp, b.x, stream);
   });
   return {b.dx, b.dweight, b.dbias};
 }
