@@ -1,10 +1,11 @@
 // Fused Swin window attention scores on CUDA: softmax(attn + relative_pos_bias + attn_mask) over the
 // last dim, and its backward (see csrc/cpu/fmha.cpp for the schemas and shapes).
 //
-// Forward: one warp per row of N <= 1024 scores (two rows at a time, for memory-level parallelism).
-// Each lane keeps its ceil(N/32) values in registers (KPT, a template parameter picked from N), so
-// attn is read once and the output written once; the max and the sum are fp32 (fp64 for double)
-// warp-shuffle reductions. bias/mask rows are tiny and shared by many rows, so they stay in cache.
+// Forward: one warp per row of N <= 1024 scores (2 to 8 rows at a time, rows_at_once, for memory-level
+// parallelism). Each lane keeps its ceil(N/32) values in registers (KPT, a template parameter picked from N),
+// so attn is read once and the output written once; the max and the sum are fp32 (fp64 for double)
+// warp-shuffle reductions. bias/mask rows are tiny and shared by many rows, so they stay in cache; they are
+// read in attn's 16-bit dtype when both have it, else in fp32 (no conversion kernel a call).
 // A row of -inf (fully masked) or holding a NaN gives NaN, as torch.softmax does.
 // Backward: dx = y * (g - sum(g * y)) per row, again one warp per row. The bias gradient sums dx over
 // the B*nW windows without atomics: a block owns one (head, query row) pair and one chunk of windows,
@@ -50,9 +51,14 @@ __device__ __forceinline__ T warp_sum(T v) {
 __device__ __forceinline__ float exp_op(float v) { return expf(v); }
 __device__ __forceinline__ double exp_op(double v) { return exp(v); }
 
-// Rows each warp handles at once: their loads are all issued before the first reduction, so a
-// warp keeps twice the bytes in flight (Swin rows are short: 49 values, under 2 per lane).
-constexpr int kRows = 2;
+// Rows each warp handles at once: all their loads are issued before the first reduction, so a warp keeps
+// that many rows' bytes in flight. Swin rows are short (49 values, under 2 a lane): with two rows a warp the
+// stage-1 forward was bound by latency, not bandwidth (H100: fp16 as slow as fp32, 48% of copy bandwidth),
+// so short rows take 8 at once; long rows take 2 (their values already fill the registers).
+template <int KPT>
+constexpr int rows_at_once() {
+  return KPT <= 2 ? 8 : KPT <= 4 ? 4 : 2;
+}
 
 // Row r of attn [B*nW, nH, N, N] is query i = r % N of head h = (r / N) % nH of window-batch row
 // bw = r / (N*nH), whose mask is window bw % nW. The three divisions cost more than the softmax of a
@@ -80,12 +86,15 @@ __device__ __forceinline__ void bias_and_mask_rows(int64_t r, const RowMap& m, i
   }
 }
 
-// Forward. Warp q handles rows kRows*q ... kRows*q+kRows-1.
-template <typename scalar_t, int KPT>
-__global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const at::opmath_type<scalar_t>* __restrict__ bias,
-                                const at::opmath_type<scalar_t>* __restrict__ mask, scalar_t* __restrict__ out,
-                                int64_t rows, RowMap map) {
+// Forward. Warp q handles rows kRows*q ... kRows*q+kRows-1, kRows = rows_at_once<KPT>().
+// Assumptions: blockDim.x a multiple of kWarp; gridDim.x * blockDim.x / kWarp * kRows >= rows; N <= 32 * KPT;
+// bias_t (of bias and mask) is scalar_t or its opmath type, widened to the opmath type on load (exact).
+template <typename scalar_t, typename bias_t, int KPT>
+__global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const bias_t* __restrict__ bias,
+                                const bias_t* __restrict__ mask, scalar_t* __restrict__ out, int64_t rows,
+                                RowMap map) {
   using acc_t = at::opmath_type<scalar_t>;
+  constexpr int kRows = rows_at_once<KPT>();
   const int N = static_cast<int>(map.N.d);
   const int lane = threadIdx.x % kWarp;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp) * kRows;
@@ -101,13 +110,14 @@ __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const at::opm
     int64_t bias_row, mask_row;
     bias_and_mask_rows(row, map, bias_row, mask_row);
     const scalar_t* a = attn + row * N;
-    const acc_t* b = bias + bias_row * N;
-    const acc_t* m = mask != nullptr ? mask + mask_row * N : nullptr;
+    const bias_t* b = bias + bias_row * N;
+    const bias_t* m = mask != nullptr ? mask + mask_row * N : nullptr;
 #pragma unroll
     for (int k = 0; k < KPT; ++k) {
       const int j = lane + k * kWarp;
       if (valid && j < N) {
-        v[q][k] = static_cast<acc_t>(a[j]) + b[j] + (m != nullptr ? m[j] : acc_t(0));
+        v[q][k] = static_cast<acc_t>(a[j]) + static_cast<acc_t>(b[j]) +
+                  (m != nullptr ? static_cast<acc_t>(m[j]) : acc_t(0));
         mx[q] = max(mx[q], v[q][k]);
       }
     }
@@ -143,12 +153,13 @@ __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const at::opm
 
 // Backward, fused with the first stage of the bias-gradient reduction.
 // Block blockIdx.x = c * (nH*N) + e owns bias row e = h*N + i and windows [c*chunk, (c+1)*chunk);
-// its warps take kRows windows at a time.
+// its warps take kRows = rows_at_once<KPT>() windows at a time.
 template <typename scalar_t, int KPT>
 __global__ void fmha_bwd_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ out,
                                 scalar_t* __restrict__ dx, at::opmath_type<scalar_t>* __restrict__ partial,
                                 int64_t BnW, int64_t bias_rows, int N, int64_t chunk) {
   using acc_t = at::opmath_type<scalar_t>;
+  constexpr int kRows = rows_at_once<KPT>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   acc_t* smem = reinterpret_cast<acc_t*>(smem_raw);  // [warps][N]
   const int lane = threadIdx.x % kWarp;
@@ -251,25 +262,42 @@ at::Tensor fmha_fwd_cuda(const at::Tensor& attn_, const at::Tensor& bias_, const
   const int64_t nH = attn.size(1), N = attn.size(2);
   const int64_t rows = attn.size(0) * nH * N;
   constexpr int threads = 256;
-  constexpr int rows_per_block = threads / kWarp * kRows;
-  const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
-  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "fmha_swin_fwd: too many rows (", rows, ")");
+  TORCH_CHECK(rows / (threads / kWarp) <= std::numeric_limits<int32_t>::max(), "fmha_swin_fwd: too many rows (",
+              rows, ")");
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "fmha_swin_fwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const auto op_dtype = c10::CppTypeToScalarType<acc_t>::value;
-    const auto bias = bias_.to(op_dtype).contiguous();
-    at::Tensor mask;
-    if (mask_.has_value()) mask = mask_->to(op_dtype).contiguous();
-    const acc_t* m = mask.defined() ? mask.const_data_ptr<acc_t>() : nullptr;
     const RowMap map{FastDiv32(static_cast<uint32_t>(N)), FastDiv32(static_cast<uint32_t>(nH)),
                      FastDiv32(static_cast<uint32_t>(window_num)), rows <= std::numeric_limits<int32_t>::max()};
-    dispatch_kpt(static_cast<int>(N), [&](auto kpt) {
-      fmha_fwd_kernel<scalar_t, decltype(kpt)::value><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-          attn.const_data_ptr<scalar_t>(), bias.const_data_ptr<acc_t>(), m, out.mutable_data_ptr<scalar_t>(),
-          rows, map);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
+    // bias and mask are read in attn's own 16-bit dtype where both have it (no conversion kernels a call),
+    // else in the opmath dtype (converted here where they are in neither).
+    const auto own = attn.scalar_type();
+    constexpr bool wide = (std::is_same_v<scalar_t, acc_t>);  // parenthesised: a macro argument
+    const bool narrow = !wide && bias_.scalar_type() == own &&
+                        (!mask_.has_value() || mask_->scalar_type() == own);
+    const auto launch = [&](auto bias_type) {
+      using bias_t = decltype(bias_type);
+      const auto dtype = c10::CppTypeToScalarType<bias_t>::value;
+      const at::Tensor bias = bias_.to(dtype).contiguous();
+      at::Tensor mask;
+      if (mask_.has_value()) mask = mask_->to(dtype).contiguous();
+      const bias_t* m = mask.defined() ? mask.const_data_ptr<bias_t>() : nullptr;
+      dispatch_kpt(static_cast<int>(N), [&](auto kpt) {
+        constexpr int KPT = decltype(kpt)::value;
+        constexpr int64_t rows_per_block = threads / kWarp * rows_at_once<KPT>();
+        const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
+        fmha_fwd_kernel<scalar_t, bias_t, KPT><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+            attn.const_data_ptr<scalar_t>(), bias.const_data_ptr<bias_t>(), m, out.mutable_data_ptr<scalar_t>(),
+            rows, map);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    };
+    if constexpr (wide) {
+      launch(acc_t());
+    } else {
+      if (narrow) launch(scalar_t());
+      else launch(acc_t());
+    }
   });
   return out;
 }
@@ -298,26 +326,27 @@ std::tuple<at::Tensor, at::Tensor> fmha_bwd_cuda(const at::Tensor& grad_, const 
     // allows: fewer chunks mean fewer partial rows for the second stage to add up.
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const int64_t want_chunks = std::max<int64_t>(1, (sms * 16 + bias_rows - 1) / bias_rows);
-    const int64_t chunk = std::max<int64_t>(warps * kRows, (BnW + want_chunks - 1) / want_chunks);
-    const int64_t chunks = (BnW + chunk - 1) / chunk;
-    const int64_t blocks = chunks * bias_rows;
-    TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "fmha_swin_bwd: too many rows");
     dbias = at::empty({nH, N, N}, out.options().dtype(op_dtype));
-    at::Tensor partial = chunks == 1 ? dbias : at::empty({chunks, nH, N, N}, out.options().dtype(op_dtype));
-    const size_t smem = static_cast<size_t>(warps) * N * sizeof(acc_t);
     dispatch_kpt(static_cast<int>(N), [&](auto kpt) {
-      fmha_bwd_kernel<scalar_t, decltype(kpt)::value><<<static_cast<unsigned>(blocks), threads, smem, stream>>>(
+      constexpr int KPT = decltype(kpt)::value;
+      const int64_t chunk = std::max<int64_t>(warps * rows_at_once<KPT>(), (BnW + want_chunks - 1) / want_chunks);
+      const int64_t chunks = (BnW + chunk - 1) / chunk;
+      const int64_t blocks = chunks * bias_rows;
+      TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "fmha_swin_bwd: too many rows");
+      at::Tensor partial = chunks == 1 ? dbias : at::empty({chunks, nH, N, N}, out.options().dtype(op_dtype));
+      const size_t smem = static_cast<size_t>(warps) * N * sizeof(acc_t);
+      fmha_bwd_kernel<scalar_t, KPT><<<static_cast<unsigned>(blocks), threads, smem, stream>>>(
           grad.const_data_ptr<scalar_t>(), out.const_data_ptr<scalar_t>(), dx.mutable_data_ptr<scalar_t>(),
           partial.mutable_data_ptr<acc_t>(), BnW, bias_rows, static_cast<int>(N), chunk);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (chunks > 1) {
+        const int64_t numel = bias_rows * N;
+        const int64_t sum_blocks = std::min<int64_t>((numel + 255) / 256, sms * 8);
+        sum_chunks_kernel<acc_t><<<static_cast<unsigned>(sum_blocks), 256, 0, stream>>>(
+            partial.const_data_ptr<acc_t>(), dbias.mutable_data_ptr<acc_t>(), numel, chunks);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
     });
-    if (chunks > 1) {
-      const int64_t numel = bias_rows * N;
-      const int64_t sum_blocks = std::min<int64_t>((numel + 255) / 256, sms * 8);
-      sum_chunks_kernel<acc_t><<<static_cast<unsigned>(sum_blocks), 256, 0, stream>>>(
-          partial.const_data_ptr<acc_t>(), dbias.mutable_data_ptr<acc_t>(), numel, chunks);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
   });
   return {dx, dbias};
 }
