@@ -209,7 +209,7 @@ def _wrap_loader(loader, config: Config, backend: str, device: torch.device, inp
         # SPMD (FSDP on xla): each batch is the global one, uploaded split along dim 0 over the mesh.
         loader = MpDeviceLoader(loader, device, input_sharding=input_sharding)
     else:
-        loader = Prefetcher(loader, device=device)
+        loader = Prefetcher(loader, device=device, background=dl.background_prefetch)
     if config.compute.recompile_guard:
         from accel.compiler.recompile_guard import GuardedLoader, RecompileGuard
 

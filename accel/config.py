@@ -162,6 +162,9 @@ class DataLoaderConfig(_Section):
     drop_full_masks: a batch whose attention_mask is all ones reaches a transformers model without that key
         (accel.data.full_mask), so attention runs unmasked (FlashAttention on CUDA). Opt-in: the training loop
         then sees batches without "attention_mask". Not with buckets or pack, whose batches keep their masks.
+    background_prefetch: the loader's Prefetcher reads the next batch and starts its copy on a thread of its
+        own (True), or in the training thread as each batch is handed over (False; accel.runtime.io.prefetcher:
+        for steps bound by their host's Python work, where the thread competes with the step for the GIL).
     """
 
     _prefix = "dataloader"
@@ -171,6 +174,7 @@ class DataLoaderConfig(_Section):
     pad_value_dict: dict = field(default_factory=lambda: dict(DEFAULT_PAD_VALUES))
     pack: bool = False
     drop_full_masks: bool = False
+    background_prefetch: bool = True
 
     def _check(self) -> None:
         if self.buckets is not None:
@@ -199,6 +203,7 @@ class DataLoaderConfig(_Section):
         if self.pack and self.buckets is not None:
             raise ValueError("dataloader.pack and dataloader.buckets are exclusive: packed rows have one length")
         _check_bool("dataloader.drop_full_masks", self.drop_full_masks)
+        _check_bool("dataloader.background_prefetch", self.background_prefetch)
         if self.drop_full_masks and (self.pack or self.max_length is not None or self.buckets is not None):
             raise ValueError("dataloader.drop_full_masks is for loaders that keep their own shapes: not with "
                              "dataloader.pack, dataloader.buckets or dataloader.max_length (their batches keep "

@@ -3,6 +3,7 @@ and static-shape loaders, against the same model trained plainly."""
 import copy
 import importlib
 import pickle
+import threading
 import warnings
 
 import pytest
@@ -434,6 +435,22 @@ def test_bucketed_loader_produces_only_bucket_shapes_with_the_same_data():
         assert not got["input_ids"][:, n:].any() and not got["attention_mask"][:, n:].any()
         assert torch.equal(got["labels"], plain["labels"])
     assert seen == [16, 32, 32, 16]
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["thread", "inline"])
+def test_background_prefetch_says_which_thread_reads_the_loader(background):
+    config = cpu_config(compile=False, kernels=False)
+    config.dataloader.background_prefetch = background
+    _, wrapped = accel.accelerate(tiny_bert(), loader(), config)
+    got, prefetch_thread_alive = [], []
+    for batch in wrapped:
+        got.append(batch)
+        prefetch_thread_alive.append(any(t.name.startswith("accel-Prefetcher") for t in threading.enumerate()))
+    expected = list(loader())
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(prefetch_thread_alive) == background
 
 
 def test_a_batch_longer_than_every_bucket_is_an_error():

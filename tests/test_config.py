@@ -49,6 +49,7 @@ def test_no_state_is_shared_between_configs():
     (lambda: DataLoaderConfig(pack=True), "dataloader.pack needs dataloader.max_length"),
     (lambda: DataLoaderConfig(pack=True, max_length=64, buckets=[64]), "dataloader.pack and dataloader.buckets"),
     (lambda: DataLoaderConfig(drop_full_masks="yes"), "dataloader.drop_full_masks"),
+    (lambda: DataLoaderConfig(background_prefetch=0), "dataloader.background_prefetch"),
     (lambda: DataLoaderConfig(drop_full_masks=True, buckets=[64]), "dataloader.drop_full_masks is for loaders"),
     (lambda: DataLoaderConfig(drop_full_masks=True, max_length=64, pack=True), "dataloader.drop_full_masks"),
 ])

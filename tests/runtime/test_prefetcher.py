@@ -44,10 +44,11 @@ def _train_loop(prefetcher, call_prefetch):
     return seen
 
 
+@pytest.mark.parametrize("background", [True, False], ids=["thread", "inline"])
 @pytest.mark.parametrize("call_prefetch", [False, True], ids=["auto", "guide_calls"])
-def test_every_batch_once_in_order(call_prefetch):
+def test_every_batch_once_in_order(call_prefetch, background):
     loader = DataLoader(Numbers(11), batch_size=3)
-    prefetcher = Prefetcher(loader)
+    prefetcher = Prefetcher(loader, background=background)
     # an index-less "cuda" resolves to the current device, as torch itself places tensors
     expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     assert prefetcher.device == expected
@@ -99,6 +100,22 @@ def test_guide_calls_keep_the_read_ahead():
     assert _no_threads_left()
 
 
+def test_inline_reads_one_batch_ahead_in_the_training_thread():
+    reads = []  # (index, thread) of every sample read
+    dataset = Numbers(5, on_get=lambda i: reads.append((i, threading.current_thread().name)))
+    prefetcher = Prefetcher(DataLoader(dataset, batch_size=1), device="cpu", background=False)
+    seen = []
+    for batch in prefetcher:
+        # batch k arrives with batch k + 1 read already (the next one is read as this one is handed over)
+        seen.append((int(batch["id"]), len(reads)))
+        prefetcher.prefetch_CPU()  # the guide's calls find the next batch under way: they read nothing more
+        prefetcher.prefetch_GPU()
+        assert len(reads) == min(seen[-1][0] + 2, 5)
+    assert seen == [(0, 2), (1, 3), (2, 4), (3, 5), (4, 5)]
+    assert {thread for _, thread in reads} == {threading.current_thread().name}
+    assert _prefetch_threads() == []
+
+
 def test_nested_loops_see_every_pair():
     prefetcher = Prefetcher(DataLoader(Numbers(5), batch_size=1), device="cpu")
     pairs = []
@@ -119,8 +136,9 @@ def test_close_stops_every_pass():
     assert _no_threads_left()
 
 
-def test_loader_exception_reraised_with_type_and_traceback():
-    prefetcher = Prefetcher(DataLoader(Numbers(6, fail_at=3), batch_size=1), device="cpu")
+@pytest.mark.parametrize("background", [True, False], ids=["thread", "inline"])
+def test_loader_exception_reraised_with_type_and_traceback(background):
+    prefetcher = Prefetcher(DataLoader(Numbers(6, fail_at=3), batch_size=1), device="cpu", background=background)
     seen = []
     with pytest.raises(BrokenSample, match="broken sample 3") as info:
         for batch in prefetcher:
@@ -173,6 +191,8 @@ def test_bad_arguments():
         Prefetcher(5)
     with pytest.raises(ValueError, match="preprocess_fn"):
         Prefetcher([], preprocess_fn="scale")
+    with pytest.raises(TypeError, match="background"):
+        Prefetcher([], background=1)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             Prefetcher([], device="cuda")
@@ -260,6 +280,26 @@ def test_cuda_branch_preprocess_runs_after_the_wait_in_the_training_thread(monke
         _, waited_at = event_after(fakes, copies, fakes.only("new_stream", lambda e: True)[1].args[0],
                                     fakes.defaults[1])
         assert waited_at < at
+
+
+def test_cuda_branch_inline_copies_one_batch_ahead(monkeypatch):
+    fakes = CudaFakes(monkeypatch, worker_prefix="accel-Prefetcher")
+    prefetcher = Prefetcher(DataLoader(Numbers(4), batch_size=1), device="cuda:1", background=False)
+    seen = []
+    for batch in prefetcher:
+        fakes.add("loop_gets", batch)
+        seen.append(batch)
+    assert [int(b["id"]) for b in seen] == [0, 1, 2, 3]
+    assert fakes.log and not any(e.on_worker() or e.thread != "MainThread" for e in fakes.log)
+    assert _prefetch_threads() == []
+    for k, batch in enumerate(seen):
+        got_at, _ = fakes.only("loop_gets", lambda e, b=batch: e.args[0] is b)
+        copied_at, _ = fakes.only("copy", lambda e, x=batch["x"]: e.args[1] is x)
+        waited = [i for i, _ in fakes.find("wait_event")]
+        assert copied_at < got_at and any(copied_at < i < got_at for i in waited)
+        if k + 1 < len(seen):  # the next batch's copy is queued before this one reaches the loop
+            next_at, _ = fakes.only("copy", lambda e, x=seen[k + 1]["x"]: e.args[1] is x)
+            assert next_at < got_at
 
 
 def test_cuda_branch_loader_error_and_early_break(monkeypatch):

@@ -27,6 +27,12 @@ the copy have usually started long before, so the calls never delay anything (th
 batch if it somehow is not under way yet), and a loop written as the guide shows is as fast as one
 without the calls.
 
+background=False does the same work in the training thread instead, one batch ahead: as the loop takes
+batch k, batch k+1 is read and (on cuda) its copy started, so the copy still overlaps step k on the GPU,
+but the read costs the loop its own time, as it does in a loop without a Prefetcher. It is for steps bound
+by their host's Python work: there a second Python thread mostly competes with the step for the GIL (each
+hand-over between the threads costs a thread wake-up) instead of working beside it.
+
 Each `for` loop over a Prefetcher is a pass of its own, as a DataLoader's are: nested loops see every
 pair of batches, and breaking out of a loop stops that pass's thread once its iterator is dropped.
 """
@@ -40,6 +46,7 @@ from concurrent.futures import Future
 import torch
 
 from accel.utils.batch import SideStreamCopy, move_to_device, resolve_device
+from accel.utils.checks import check_bool
 from accel.utils.threads_at_exit import close_at_exit
 from accel.utils.xla import is_xla_device
 
@@ -106,6 +113,24 @@ class _Worker:
             thread.join(timeout_s)
 
 
+class _InlineWorker:
+    """_Worker's interface, each job run at once in the caller's thread (Prefetcher(background=False))."""
+
+    thread = None
+
+    def submit(self, fn) -> Future:
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised by result(), as from the worker thread
+            future.set_exception(exc)
+        return future
+
+    def close(self, timeout_s: float) -> None:
+        pass
+
+
 class _Transfer:
     """What happens to a batch on its way to `device`: `host` and `to_device` run in the background
     thread, `finish` in the training thread as the loop takes the batch."""
@@ -168,15 +193,16 @@ class _Pass:
     """One pass over the loader: the iterator a `for` loop gets. Holds no reference to the Prefetcher,
     and no other pass shares its state, so passes are independent and dropping one stops it."""
 
-    def __init__(self, loader, transfer: _Transfer):
+    def __init__(self, loader, transfer: _Transfer, background: bool):
         self.loader = loader
         self.transfer = transfer
         self.iterator = None
         self.fetch: Future | None = None
         self.copy: Future | None = None
-        self.worker = _Worker("accel-Prefetcher")
+        self.worker = _Worker("accel-Prefetcher") if background else _InlineWorker()
         self.closed = False
-        close_at_exit(self)  # a pass still open when the script ends
+        if background:
+            close_at_exit(self)  # a pass still open when the script ends
         self.prefetch_device()  # the first batch is needed at once
 
     def _read(self):
@@ -255,14 +281,17 @@ class Prefetcher:
         preprocess_fn: optional callable applied to each batch after it is on the device; its return
             value is what the loop receives.
         device: target device; None means cuda if available, else cpu. Pass an XLA device for XLA.
+        background: read and start copies on a thread of the Prefetcher's own (the default), or in the
+            training thread one batch ahead (see the module docstring).
     """
 
-    def __init__(self, data_loader, preprocess_fn=None, device=None):
+    def __init__(self, data_loader, preprocess_fn=None, device=None, background: bool = True):
         if not hasattr(data_loader, "__iter__"):
             raise ValueError(
                 f"data_loader must be an iterable of batches (e.g. a DataLoader), got {type(data_loader).__name__}")
         if preprocess_fn is not None and not callable(preprocess_fn):
             raise ValueError(f"preprocess_fn must be callable or None, got {type(preprocess_fn).__name__}")
+        self.background = check_bool("background", background)
         self.data_loader = data_loader
         self.device = resolve_device(device)
         self._transfer = _transfer_for(self.device, preprocess_fn)
@@ -280,7 +309,7 @@ class Prefetcher:
         return self.data_loader.dataset
 
     def __iter__(self):
-        one_pass = _Pass(self.data_loader, self._transfer)
+        one_pass = _Pass(self.data_loader, self._transfer, self.background)
         self._passes.add(one_pass)
         return one_pass
 
