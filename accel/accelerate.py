@@ -161,13 +161,16 @@ def _apply_kernels(model: nn.Module, kernels: frozenset[str]) -> None:
         hooks.enable_fused_adam()
 
 
-def _compile(model: nn.Module, backend: str, cuda_graphs: bool, n_shapes: int) -> None:
+def _compile(model: nn.Module, backend: str, cuda_graphs: bool, n_shapes: int, inductor_options: dict) -> None:
     from accel.utils.dynamo import allow_recompiles
 
     # One graph per static shape (bucket lengths, plus a short last batch of each): keep them all cached.
     allow_recompiles(2 * n_shapes + 2)
     graphs = backend == "cuda" and cuda_graphs
-    model.compile(dynamic=False, mode="reduce-overhead" if graphs else None)
+    if inductor_options:  # torch.compile takes a mode or options, not both: "reduce-overhead" is this option
+        model.compile(dynamic=False, options={**inductor_options, "triton.cudagraphs": graphs})
+    else:
+        model.compile(dynamic=False, mode="reduce-overhead" if graphs else None)
     if graphs:  # a .grad kept past its step (zero_grad(set_to_none=False), micro-batches) must outlive replays
         from accel.compiler import cudagraph_skips
         from accel.compiler.graph_pool_grads import keep_grads_out_of_graph_pool
@@ -293,7 +296,7 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
     model = distributed.wrap_model(model, backend, device, config.dist, dtype)
     if compiled:
         n_shapes = len(config.dataloader.bucket_lengths() or ()) or 1  # packed or unbucketed: one length
-        _compile(model, backend, config.compute.cuda_graphs, n_shapes)
+        _compile(model, backend, config.compute.cuda_graphs, n_shapes, config.compute.inductor_options)
     from accel.compiler.optimizer import adopt_optimizers
 
     adopt_optimizers(model, compile_steps=compiled, reduce_gradients=distributed.reduces_gradients_on_step(model),

@@ -41,6 +41,23 @@ def _check_positive_int(name: str, value, optional: bool = True) -> None:
         raise ValueError(f"{name}: expected {'None or ' if optional else ''}an int >= 1, got {value!r}")
 
 
+def _check_inductor_options(name: str, value) -> None:
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected a dict of torch._inductor.config names to values, got {value!r}")
+    if not value:
+        return
+    from torch._inductor import config as inductor_config  # only when set: Inductor's config is a big import
+
+    known = inductor_config.get_config_copy()
+    for key, setting in value.items():
+        if key == "triton.cudagraphs":
+            raise ValueError(f"{name}: CUDA graphs are compute.cuda_graphs' to set, not {key!r}")
+        if not isinstance(key, str) or key not in known:
+            raise ValueError(f"{name}: {key!r} is not a torch._inductor.config setting")
+        if not isinstance(setting, (bool, int, float, str)):
+            raise ValueError(f"{name}: {key!r} expects a bool, number or string, got {setting!r}")
+
+
 def _class_names(name: str, value) -> Optional[set]:
     """None, or a non-empty set of class-name strings (a single string is taken as one name)."""
     if value is None:
@@ -99,6 +116,11 @@ class ComputeConfig(_Section):
         until it wins: BERT-base bf16 training on a 2-core AVX512-BF16 CPU, compiled, alternating steps
         (2026-11-27): 0.96x, 1.02x at 8x128 and 0.97x at 32x128, i.e. noise. To be measured on a GPU, where
         small products leave tensor cores idle (`bert_base.py --modes accel,accel:compute.fuse_qkv=true`).
+    inductor_options: further torch._inductor.config settings for the model's compiled graphs (torch.compile's
+        `options`), e.g. {"max_autotune": True} or {"combo_kernels": True}; each name must be one of
+        Inductor's. CUDA graphs stay compute.cuda_graphs' ("triton.cudagraphs" is refused here). None set
+        by default: none has yet won a measurement against the defaults (`bert_base.py --modes
+        accel,accel:compute.inductor_options.combo_kernels=true`).
     """
 
     _prefix = "compute"
@@ -111,10 +133,13 @@ class ComputeConfig(_Section):
     recompile_guard: bool = False
     first_token_only: bool = True
     fuse_qkv: bool = False
+    inductor_options: dict = field(default_factory=dict)
 
     def _check(self) -> None:
         for f in fields(self):
-            _check_bool(self._name(f.name), getattr(self, f.name))
+            if f.name != "inductor_options":
+                _check_bool(self._name(f.name), getattr(self, f.name))
+        _check_inductor_options("compute.inductor_options", self.inductor_options)
         if self.fp16 and self.bf16:
             raise ValueError("compute.fp16 and compute.bf16 are exclusive: set at most one")
         if self.optimizer_cuda_graphs and not self.cuda_graphs:

@@ -894,7 +894,8 @@ def split_mode(mode: str) -> tuple[str, dict[str, str]]:
 
 
 def accel_config(overrides: dict[str, str], config=None):
-    """`config` (default: a new accel.Config) with the variant's fields set (true/false, ints, else strings)."""
+    """`config` (default: a new accel.Config) with the variant's fields set (true/false, ints, else strings); a
+    name past a dict field is a key of that dict (compute.inductor_options.combo_kernels=true)."""
     import accel
 
     config = accel.Config() if config is None else config
@@ -902,11 +903,14 @@ def accel_config(overrides: dict[str, str], config=None):
         section, _, name = field.rpartition(".")
         owner = config
         for part in filter(None, section.split(".")):
-            owner = getattr(owner, part)
-        if not hasattr(owner, name):
-            raise AttributeError(f"accel.Config has no field {field!r}")
+            owner = owner[part] if isinstance(owner, dict) else getattr(owner, part)
         lowered = text.lower()
         value = {"true": True, "false": False, "none": None}.get(lowered, int(text) if text.isdigit() else text)
+        if isinstance(owner, dict):
+            owner[name] = value
+            continue
+        if not hasattr(owner, name):
+            raise AttributeError(f"accel.Config has no field {field!r}")
         setattr(owner, name, value)
     config.validate()
     return config

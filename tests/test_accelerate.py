@@ -485,6 +485,30 @@ def test_compiled_training_matches_eager():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("options", [{}, {"fallback_random": True}], ids=["defaults", "fallback_random"])
+def test_inductor_options_reach_the_compiled_graphs(options):
+    """compute.inductor_options are Inductor's settings for the model's graphs: with fallback_random its dropout
+    draws torch's own random numbers, so the compiled model gives the uncompiled one's training-mode logits
+    under one seed; with Inductor's own random numbers it does not."""
+    torch._dynamo.reset()
+    models = []
+    for compile in (False, True):
+        model = tiny_bert()
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.5
+        config = cpu_config(compile=compile, kernels=False)
+        config.compute.inductor_options = dict(options)
+        models.append(accel.accelerate(model, None, config))
+    batch = next(iter(loader()))
+    logits = []
+    for model in models:
+        torch.manual_seed(1)
+        logits.append(model(**batch)["logits"])
+    assert torch.allclose(logits[0], logits[1], rtol=1e-5, atol=1e-6) == bool(options)
+
+
+@pytest.mark.slow
 def test_compiled_bf16_forward_is_one_graph_under_autocast(monkeypatch):
     """compute.bf16 with compile: the autocast region around the forward is traced into the graph (it
     failed inside Dynamo once, found on the first CPU with native bf16), giving eager autocast's logits."""

@@ -50,6 +50,10 @@ def test_no_state_is_shared_between_configs():
     (lambda: DataLoaderConfig(pack=True, max_length=64, buckets=[64]), "dataloader.pack and dataloader.buckets"),
     (lambda: DataLoaderConfig(drop_full_masks="yes"), "dataloader.drop_full_masks"),
     (lambda: DataLoaderConfig(background_prefetch=0), "dataloader.background_prefetch"),
+    (lambda: ComputeConfig(inductor_options=["max_autotune"]), "compute.inductor_options: expected a dict"),
+    (lambda: ComputeConfig(inductor_options={"no_such_setting": True}), "'no_such_setting' is not a torch._inductor"),
+    (lambda: ComputeConfig(inductor_options={"triton.cudagraphs": True}), "compute.cuda_graphs"),
+    (lambda: ComputeConfig(inductor_options={"max_autotune": [True]}), "'max_autotune' expects a bool"),
     (lambda: DataLoaderConfig(drop_full_masks=True, buckets=[64]), "dataloader.drop_full_masks is for loaders"),
     (lambda: DataLoaderConfig(drop_full_masks=True, max_length=64, pack=True), "dataloader.drop_full_masks"),
 ])

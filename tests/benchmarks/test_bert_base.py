@@ -155,10 +155,14 @@ def test_accel_variants_set_config_fields():
     config = bert_base.accel_config(bert_base.split_mode(modes[2])[1])
     assert config.compute.fuse_qkv is True and config.memory.gc is True and config.memory.gc_cnt == 2
     assert bert_base.accel_config({}).compute == type(config.compute)()  # no fields: the defaults
+    # a name past a dict field is that dict's key
+    inductor = bert_base.parse_modes("accel:compute.inductor_options.combo_kernels=true")[0]
+    assert bert_base.accel_config(bert_base.split_mode(inductor)[1]).compute.inductor_options == {"combo_kernels": True}
     # variants are headline rows too, in the order given
     assert bert_base.run_order(1, ["eager", "accel:compute.kernels=false", "peer"]) == [
         (0, "accel:compute.kernels=false"), (0, "peer"), (0, "eager")]
-    for bad in ("accel:compute.nothing=1", "peer:compute.bf16=true", "accel:compute.bf16", "accel:compute.bf16=3"):
+    for bad in ("accel:compute.nothing=1", "peer:compute.bf16=true", "accel:compute.bf16", "accel:compute.bf16=3",
+                "accel:compute.inductor_options.no_such_setting=1"):
         with pytest.raises(Exception):
             bert_base.parse_modes(bad)
 
