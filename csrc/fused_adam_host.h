@@ -91,12 +91,13 @@ C10_HOST_DEVICE inline Coeffs<T> coeffs_for(const Hyper& h, double lr, double gr
 }
 
 // Updates p, m, v (and vmax when amsgrad) of one element in place. `coupled`: Adam's L2 term
-// (weight_decay != 0 and not decoupled). Callers pass compile-time constants where they can.
+// (weight_decay != 0 and not decoupled). `unscaled`: the caller knows c.scale is 1. Callers pass
+// compile-time constants where they can.
 template <typename T>
 C10_HOST_DEVICE inline void adam_element(T& p, T g, T& m, T& v, T& vmax, const Coeffs<T>& c, bool amsgrad,
-                                         bool coupled) {
+                                         bool coupled, bool unscaled = false) {
   // g / 1 is g: an unscaled step skips the division (the same bits, a third of the element's divisions)
-  T gi = (c.scale == T(1) ? g : g / c.scale) * c.sign;  // exact product (sign is +-1): no contraction
+  T gi = (unscaled || c.scale == T(1) ? g : g / c.scale) * c.sign;  // exact product (sign is +-1): no contraction
   if (coupled) gi = fused_mul_add(c.wd, p, gi);
   const T mo = m;
   m = fused_mul_add(c.lerp_a, gi - mo, c.lerp_low ? mo : gi);

@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace accel {
@@ -150,7 +151,10 @@ __device__ __forceinline__ void store16(X* dst, const X (&r)[N]) {
 //    widened to T on load, rounded on store.
 //  - *step[t] holds the count before this step: the advance kernel, launched after every update
 //    kernel on the same stream, increments it.
-template <typename scalar_t, typename state_t, int N>
+//  - kPlain: no amsgrad, no coupled weight decay and no grad_scale (the common AdamW step), so those
+//    are compile-time constants and their work (a division, the vmax conversions) is compiled out;
+//    the elements get the same bits as the general kernel.
+template <typename scalar_t, typename state_t, int N, bool kPlain>
 __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMeta<N> meta, const AdamArgs a) {
   using T = at::opmath_type<scalar_t>;
   using fused_adam_host::adam_element;
@@ -158,9 +162,10 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
   constexpr int kVec = 16 / sizeof(scalar_t);
   static_assert(kVec * sizeof(state_t) % 16 == 0, "the state is read in whole 16-byte pieces");
   if (a.found_inf != nullptr && *a.found_inf != 0.f) return;
-  const bool coupled = a.h.coupled();
+  const bool coupled = !kPlain && a.h.coupled();
+  const bool amsgrad = !kPlain && a.amsgrad;
   const double lr = a.lr_ptr != nullptr ? *a.lr_ptr : a.lr;
-  const double scale = a.grad_scale != nullptr ? static_cast<double>(*a.grad_scale) : 1.0;
+  const double scale = !kPlain && a.grad_scale != nullptr ? static_cast<double>(*a.grad_scale) : 1.0;
   const int64_t total = meta.chunk_start[meta.n];
   for (int64_t chunk = blockIdx.x; chunk < total; chunk += gridDim.x) {
     // The chunk's tensor by binary search: O(log n) a chunk, however many tensors the launch has.
@@ -176,7 +181,7 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
     const scalar_t* g = static_cast<const scalar_t*>(meta.g[t]) + begin;
     state_t* m = static_cast<state_t*>(meta.m[t]) + begin;
     state_t* v = static_cast<state_t*>(meta.v[t]) + begin;
-    state_t* vm = a.amsgrad ? static_cast<state_t*>(meta.vm[t]) + begin : nullptr;
+    state_t* vm = amsgrad ? static_cast<state_t*>(meta.vm[t]) + begin : nullptr;
     // torch increments the count before the bias corrections; the counter itself advances later.
     const fused_adam_host::Coeffs<T> c =
         fused_adam_host::coeffs_for<T>(a.h, lr, scale, static_cast<double>(*meta.step[t] + 1.f));
@@ -199,7 +204,7 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
         for (int j = 0; j < kVec; ++j) {
           T pj = static_cast<T>(pr[j]), mj = static_cast<T>(mr[j]), vj = static_cast<T>(vr[j]);
           T xj = static_cast<T>(xr[j]);
-          adam_element<T>(pj, static_cast<T>(gr[j]), mj, vj, xj, c, a.amsgrad, coupled);
+          adam_element<T>(pj, static_cast<T>(gr[j]), mj, vj, xj, c, amsgrad, coupled, kPlain);
           pr[j] = static_cast<scalar_t>(pj);
           mr[j] = static_cast<state_t>(mj);
           vr[j] = static_cast<state_t>(vj);
@@ -216,7 +221,7 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
       T pi = static_cast<T>(p[i]);
       T mi = static_cast<T>(m[i]), vi = static_cast<T>(v[i]);
       T xi = vm != nullptr ? static_cast<T>(vm[i]) : T(0);
-      adam_element<T>(pi, static_cast<T>(g[i]), mi, vi, xi, c, a.amsgrad, coupled);
+      adam_element<T>(pi, static_cast<T>(g[i]), mi, vi, xi, c, amsgrad, coupled, kPlain);
       p[i] = static_cast<scalar_t>(pi);
       m[i] = static_cast<state_t>(mi);
       v[i] = static_cast<state_t>(vi);
@@ -271,9 +276,17 @@ void launch_updates(at::ScalarType dt, bool compact, const std::vector<size_t>& 
       meta.chunk_start[k + 1] = meta.chunk_start[k] + chunk_count(w.p.numel(), a.chunk_size);
     }
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(meta.chunk_start[meta.n], max_blocks));
+    const bool plain = !a.amsgrad && !a.h.coupled() && a.grad_scale == nullptr;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "fused_adam_step_cuda", [&] {
-      if (compact) fused_adam_kernel<scalar_t, scalar_t, N><<<blocks, kThreads, 0, stream>>>(meta, a);
-      else fused_adam_kernel<scalar_t, at::opmath_type<scalar_t>, N><<<blocks, kThreads, 0, stream>>>(meta, a);
+      const auto launch = [&](auto state, auto is_plain) {
+        fused_adam_kernel<scalar_t, decltype(state), N, decltype(is_plain)::value><<<blocks, kThreads, 0, stream>>>(
+            meta, a);
+      };
+      using opmath_t = at::opmath_type<scalar_t>;
+      if (compact && plain) launch(scalar_t(), std::true_type());
+      else if (compact) launch(scalar_t(), std::false_type());
+      else if (plain) launch(opmath_t(), std::true_type());
+      else launch(opmath_t(), std::false_type());
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
