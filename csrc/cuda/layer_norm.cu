@@ -2,9 +2,8 @@
 //
 // x is [M, N] (rows x normalized size). Forward and dx: a team of `tpr` threads per row, tpr a
 // power of two from 32 (one warp per row, several rows per block: small and medium N) up to 1024
-// (one block per row: large N), so no thread handles more than a few dozen elements (the forward of float
-// and double rows holds up to four vectors a thread in registers, kFwdVectors, and reads x once when the
-// team fits 512 threads). A team reduces with warp shuffles and, when wider than a warp, through shared
+// (one block per row: large N), so no thread handles more than a few dozen elements (forward rows are held
+// in registers, up to fwd_vectors() vectors a thread, and x read once, when the team fits 512 threads). A team reduces with warp shuffles and, when wider than a warp, through shared
 // memory. Statistics are in float (double for float64 x): shifted sums per thread, merged across threads
 // as Welford states (a row whose sums overflow, |x| around 1e19 and beyond in float, is redone on exactly
 // scaled values). Loads and stores are 16-byte vectors when N and every pointer allow it.
@@ -141,24 +140,29 @@ struct ShiftScale {
   __device__ __forceinline__ acc_t operator()(T v) const { return (static_cast<acc_t>(v) - x0) * s; }
 };
 
+// Vectors a thread takes at most when it loops over the row in memory (the forward of rows wider than a held
+// team takes, the wide-row dx kernel).
+constexpr int kLoopVectors = 8;
 // Vectors of a row a forward thread holds in registers (launch_for gives a thread at most this many unless
-// rows are wider than kMaxTeam * kFwdVectors vectors), for teams of up to kHeldMaxTeam threads (whose
+// rows are wider than kMaxTeam * fwd_vectors() vectors), for teams of up to kHeldMaxTeam threads (whose
 // launch bound leaves 128 registers a thread: double spills at 64). All of a thread's loads are issued
 // before the first is used, and the row is read once: statistics and output from the same registers.
-// Float and double rows only. A/B on an H100 against the loop over memory with up to kLoopVectors vectors a
-// thread (benchmarks/results/kernels_ab_cuda_h100_run2.json): float rows of 768 to 4096 1.07-1.23x, 8192
-// and 65536 0.98-1.02x; bf16 rows 0.83-1.05x (8192: 0.83x, its team doubled to 256 threads), so 16-bit
-// rows keep the loop.
-constexpr int kFwdVectors = 4;
+// A/B on an H100 against the loop over memory with up to kLoopVectors vectors a thread
+// (benchmarks/results/kernels_ab_cuda_h100_run2.json), 4 vectors a thread: float rows of 768 to 4096
+// 1.07-1.23x, 8192 and 65536 0.98-1.02x; bf16 rows 0.83-1.05x, but there the team was twice the loop's
+// (8192: 256 threads, 0.83x). So 16-bit rows hold kLoopVectors (8: 128 bytes, the loop's team) instead,
+// and read their x once too (to A/B on the next GPU run).
+template <typename T>
+constexpr int fwd_vectors() {
+  return sizeof(T) >= 4 ? 4 : kLoopVectors;
+}
 constexpr int kHeldMaxTeam = 512;
-// Vectors a thread takes at most when it loops over the row in memory (16-bit forward, the wide-row dx kernel).
-constexpr int kLoopVectors = 8;
 
 // One thread's (count, mean, M2) of f(x) over the vectors lane, lane + tpr, ... of a row (lane < nvec),
 // its mean as an offset from `base`: sums of (f(x) - shift) and its square, shifted by one of the thread's
 // own values so that the one-pass variance does not cancel for rows far from zero; one division per
 // thread (a per-element Welford update costs a division per element, too slow for bf16 rows).
-// The thread's vectors come from `held` (registers, HELD: count <= kFwdVectors, indexed by constants only)
+// The thread's vectors come from `held` (registers, HELD: count <= fwd_vectors<T>(), indexed by constants only)
 // or from the row in memory, `xr` (vectors lane + j * tpr).
 template <typename acc_t, bool HELD, typename T, int VEC, typename F>
 __device__ __forceinline__ Welford<acc_t> thread_welford(const Pack<T, VEC>* held, const Pack<T, VEC>* xr, int lane,
@@ -175,7 +179,7 @@ __device__ __forceinline__ Welford<acc_t> thread_welford(const Pack<T, VEC>* hel
   };
   if constexpr (HELD) {
 #pragma unroll
-    for (int j = 0; j < kFwdVectors; ++j)
+    for (int j = 0; j < fwd_vectors<T>(); ++j)
       if (j < count) add(held[j]);
   } else {
     for (int64_t j = 0; j < count; ++j) add(xr[lane + j * tpr]);
@@ -195,7 +199,7 @@ __device__ __forceinline__ int64_t vectors_of(int lane, int64_t nvec, int tpr) {
 // launch bounds: teams of up to 1024 threads must fit the register file (<= 64 per thread; HELD: 512, 128)
 // Assumptions: blockDim.x = tpr * rows per block, tpr a power of two in [32, 1024]; VEC elements per access,
 // N % VEC == 0 and every pointer aligned to a whole vector; HELD: tpr <= kHeldMaxTeam and nvec <= tpr *
-// kFwdVectors; any grid.
+// fwd_vectors<T>(); any grid.
 template <typename T, typename P, int VEC, bool HELD>
 __global__ void __launch_bounds__(HELD ? kHeldMaxTeam : kMaxTeam)
     layer_norm_fwd_kernel(const T* __restrict__ x, const P* __restrict__ w, const P* __restrict__ b, T* __restrict__ y,
@@ -212,10 +216,10 @@ __global__ void __launch_bounds__(HELD ? kHeldMaxTeam : kMaxTeam)
     const int64_t row = base + threadIdx.x / tpr;
     const bool valid = row < M;
     const Pack<T, VEC>* xr = reinterpret_cast<const Pack<T, VEC>*>(x + (valid ? row : 0) * N);
-    Pack<T, VEC> px[HELD ? kFwdVectors : 1];
+    Pack<T, VEC> px[HELD ? fwd_vectors<T>() : 1];
     if constexpr (HELD) {
 #pragma unroll
-      for (int j = 0; j < kFwdVectors; ++j)
+      for (int j = 0; j < fwd_vectors<T>(); ++j)
         if (valid && j < mine) px[j] = xr[lane + j * tpr];
     }
     // Per thread: Welford states of the thread's elements (thread_welford). Threads then merge
@@ -281,7 +285,7 @@ __global__ void __launch_bounds__(HELD ? kHeldMaxTeam : kMaxTeam)
     };
     if constexpr (HELD) {
 #pragma unroll
-      for (int j = 0; j < kFwdVectors; ++j)
+      for (int j = 0; j < fwd_vectors<T>(); ++j)
         if (j < mine) write(j, px[j]);
     } else {
       for (int64_t j = 0; j < mine; ++j) write(j, xr[lane + j * tpr]);
@@ -582,17 +586,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cuda(
                         (d.w == nullptr || aligned(d.w, sizeof(P) * VEC)) &&
                         (d.b == nullptr || aligned(d.b, sizeof(P) * VEC));
     const int vec = vec_ok ? VEC : 1;
-    constexpr bool kHeld = sizeof(T) >= 4;  // see kFwdVectors
-    const Launch l = launch_for(M, N, vec, kHeld ? kFwdVectors : kLoopVectors);
+    constexpr int kHeldVectors = fwd_vectors<T>();
+    const Launch l = launch_for(M, N, vec, kHeldVectors);
     auto stream = at::cuda::getCurrentCUDAStream();
     const auto run = [&](auto kernel) {
       kernel<<<l.blocks, l.threads, 0, stream>>>(d.x, d.w, d.b, d.y, d.mean, d.rstd, M, N, static_cast<acc_t>(eps),
                                                   l.tpr);
     };
-    const bool held = kHeld && l.tpr <= kHeldMaxTeam && N / vec <= (int64_t)l.tpr * kFwdVectors;
-    if (vec_ok && held) run(layer_norm_fwd_kernel<T, P, VEC, kHeld>);
+    const bool held = l.tpr <= kHeldMaxTeam && N / vec <= (int64_t)l.tpr * kHeldVectors;
+    if (vec_ok && held) run(layer_norm_fwd_kernel<T, P, VEC, true>);
     else if (vec_ok) run(layer_norm_fwd_kernel<T, P, VEC, false>);
-    else if (held) run(layer_norm_fwd_kernel<T, P, 1, kHeld>);
+    else if (held) run(layer_norm_fwd_kernel<T, P, 1, true>);
     else run(layer_norm_fwd_kernel<T, P, 1, false>);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

@@ -252,9 +252,11 @@ def test_backward_around_the_one_pass_limit(device, dtype, pdtype, n, rows):
     torch.testing.assert_close(db, dbr.to(pdtype), **sums_tol)
 
 
-# On CUDA the forward holds a thread's part of a row in registers (four 16-byte vectors, teams of up to 512
-# threads) and loops over memory for wider rows: each pair straddles that limit (fp32 8192, bf16 16384).
-FORWARD_LIMITS = [(torch.float32, 8192), (torch.float32, 8196), (torch.bfloat16, 16384), (torch.bfloat16, 16392)]
+# On CUDA the forward holds a thread's part of a row in registers (four 16-byte vectors for fp32, eight for
+# 16-bit dtypes, teams of up to 512 threads) and loops over memory for wider rows: each pair straddles that
+# limit (fp32 8192, bf16 32768); fp16 4100 is past it for rows read one element at a time (N % 8 != 0).
+FORWARD_LIMITS = [(torch.float32, 8192), (torch.float32, 8196), (torch.bfloat16, 32768), (torch.bfloat16, 32776),
+                  (torch.float16, 4100)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
