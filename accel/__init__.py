@@ -7,8 +7,10 @@ Nothing here imports torch_xla or needs CUDA at import time.
 __version__ = "0.1.0"
 from accel.accelerate import accelerate
 from accel.checkpoint import auto_checkpoint
+from accel.compiler.step_graph import graph_step
 from accel.config import Config
 from accel.distributed import accumulate
 from accel.state import load_state, save_state, wait_for_save
 
-__all__ = ["Config", "accelerate", "accumulate", "auto_checkpoint", "load_state", "save_state", "wait_for_save"]
+__all__ = ["Config", "accelerate", "accumulate", "auto_checkpoint", "graph_step", "load_state", "save_state",
+           "wait_for_save"]

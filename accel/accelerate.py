@@ -39,6 +39,8 @@ What it does, in order (each step says why it sits where it does):
    Optimizers the user builds over the model's parameters (cuda, cpu): torch Adam/AdamW at their defaults
    switch to torch's fused kernel, and steps are compiled where that pays (accel.compiler.optimizer); with
    compute.optimizer_cuda_graphs (off until measured) the compiled steps are CUDA-graph replays too.
+   compute.step_graph (cuda, off until measured): the model is compiled without CUDA graphs of its own and the
+   optimizers are made capturable, for accel.graph_step to capture the user's whole step as one graph.
 8. distributed (when the launcher started several ranks): the process group is started if the script
    has not (xla / nccl / gloo), then dist.dp / dist.fsdp wrap the model: DDP, FSDP2 (one unit per block
    of dist.fsdp.wrap_layer_cls, or per repeated block), HSDP for both; on xla, gradients averaged at each
@@ -296,12 +298,15 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
     model = distributed.wrap_model(model, backend, device, config.dist, dtype)
     if compiled:
         n_shapes = len(config.dataloader.bucket_lengths() or ()) or 1  # packed or unbucketed: one length
-        _compile(model, backend, config.compute.cuda_graphs, n_shapes, config.compute.inductor_options)
+        # a whole-step graph (compute.step_graph) cannot hold the model's own graph replays
+        cuda_graphs = config.compute.cuda_graphs and not config.compute.step_graph
+        _compile(model, backend, cuda_graphs, n_shapes, config.compute.inductor_options)
     from accel.compiler.optimizer import adopt_optimizers
 
     adopt_optimizers(model, compile_steps=compiled, reduce_gradients=distributed.reduces_gradients_on_step(model),
                      cuda_graph_steps=backend == "cuda" and config.compute.cuda_graphs
-                     and config.compute.optimizer_cuda_graphs)
+                     and config.compute.optimizer_cuda_graphs,
+                     graph_steps=backend == "cuda" and config.compute.step_graph)
 
     if dataloader is None:
         return model

@@ -116,6 +116,11 @@ class ComputeConfig(_Section):
         until it wins: BERT-base bf16 training on a 2-core AVX512-BF16 CPU, compiled, alternating steps
         (2026-11-27): 0.96x, 1.02x at 8x128 and 0.97x at 32x128, i.e. noise. To be measured on a GPU, where
         small products leave tensor cores idle (`bert_base.py --modes accel,accel:compute.fuse_qkv=true`).
+    step_graph: the training step will be one CUDA graph, captured by accel.graph_step around the user's
+        step function (accel.compiler.step_graph): the model is compiled without graphs of its own (one
+        capture cannot hold another's replays) and optimizers built over it get a device-tensor learning rate
+        and capturable updates at their first step. cuda backend; off by default until a GPU run shows it wins
+        (`bert_base.py --modes accel,accel-step-graph`).
     inductor_options: further torch._inductor.config settings for the model's compiled graphs (torch.compile's
         `options`), e.g. {"max_autotune": True} or {"combo_kernels": True}; each name must be one of
         Inductor's. CUDA graphs stay compute.cuda_graphs' ("triton.cudagraphs" is refused here). None set
@@ -133,6 +138,7 @@ class ComputeConfig(_Section):
     recompile_guard: bool = False
     first_token_only: bool = True
     fuse_qkv: bool = False
+    step_graph: bool = False
     inductor_options: dict = field(default_factory=dict)
 
     def _check(self) -> None:
@@ -144,6 +150,9 @@ class ComputeConfig(_Section):
             raise ValueError("compute.fp16 and compute.bf16 are exclusive: set at most one")
         if self.optimizer_cuda_graphs and not self.cuda_graphs:
             raise ValueError("compute.optimizer_cuda_graphs needs compute.cuda_graphs=True")
+        if self.step_graph and self.optimizer_cuda_graphs:
+            raise ValueError("compute.step_graph and compute.optimizer_cuda_graphs are exclusive: the step graph "
+                             "holds the optimizer step already")
 
 
 @dataclass

@@ -41,6 +41,9 @@ Modes (one row each, in this order, one process)
   accel-model-only  accel's row with accelerate(model) alone: the loop takes the workload's batches and copies
                  them as the peer does (a mask of ones dropped as accelerate()'s loader would): the A/B of
                  accelerate()'s loader (its Prefetcher thread) against none. Only when --modes names it.
+  accel-step-graph  accel's row with compute.step_graph and the step function wrapped in accel.graph_step: the
+                 whole step (forward, backward, optimizer step, zero_grad) one CUDA graph replay. CUDA only;
+                 only when --modes names it.
   accel:F=V[+F=V...]  the accel row with Config fields set otherwise, e.g. accel:compute.fuse_qkv=false:
                  an A/B of one of accelerate()'s choices in the same run (any number of such rows).
 
@@ -135,7 +138,7 @@ from accel.runtime.host_memory import keep_freed_memory, return_freed_memory  # 
 from benchmarks import _report  # noqa: E402
 
 MODES = ("eager", "eager-amp", "peer", "accel-kernels", "accel-xla", "accel")
-EXTRA_MODES = ("accel-model-only",)  # run only when --modes names them
+EXTRA_MODES = ("accel-model-only", "accel-step-graph")  # run only when --modes names them
 BERT_BASE_CASED = dict(vocab_size=28996, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                        intermediate_size=3072, max_position_embeddings=512, type_vocab_size=2, num_labels=2)
 QUICK_BERT = dict(BERT_BASE_CASED, vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -517,9 +520,11 @@ def _batches_as_the_peer_takes_them(ctx: Context, config, device: torch.device) 
     return (to_device(without_full_mask(b) if drop else b, device) for b in endless(ctx.workload.loader()))
 
 
-def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_only: bool = False) -> Run:
+def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_only: bool = False,
+                step_graph: bool = False) -> Run:
     """accel's row; `model_only`: accelerate(model) alone, the batches taken as the peer takes them (the
-    A/B of accelerate()'s loader, its Prefetcher thread included, against none)."""
+    A/B of accelerate()'s loader, its Prefetcher thread included, against none); `step_graph`: the whole step
+    one CUDA graph (compute.step_graph and accel.graph_step)."""
     import accel
 
     if not hasattr(accel, "accelerate"):
@@ -531,6 +536,10 @@ def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_onl
         config.dataloader.max_length = ctx.workload.max_length
     else:  # the step reads nothing but the loss: an all-ones mask may go (unmasked SDPA)
         config.dataloader.drop_full_masks = True
+    if step_graph:
+        if ctx.device.type != "cuda":
+            raise Skip("accel-step-graph captures CUDA graphs: CUDA only")
+        config.compute.step_graph = True
     config = accel_config(overrides or {}, config)  # a variant's fields last
     packed = config.dataloader.pack
     if model_only:
@@ -550,6 +559,8 @@ def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_onl
         opt.zero_grad(set_to_none=True)
         return loss
 
+    if step_graph:
+        step = accel.graph_step(step)
     device = next(model.parameters()).device  # the backend accelerate() chose; its batches arrive there
     precision = "compute.bf16: " + ("bf16 autocast" if native_bf16(device) else "fp32 here (bf16 not native)")
     return Run(step, batches, device, precision + (", packed rows" if packed else ""), packed=packed)
@@ -557,7 +568,8 @@ def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_onl
 
 SETUPS = {"eager": setup_eager, "eager-amp": setup_eager_amp, "peer": setup_peer,
           "accel-kernels": setup_accel_kernels, "accel-xla": setup_accel_xla, "accel": setup_accel,
-          "accel-model-only": lambda ctx: setup_accel(ctx, model_only=True)}
+          "accel-model-only": lambda ctx: setup_accel(ctx, model_only=True),
+          "accel-step-graph": lambda ctx: setup_accel(ctx, step_graph=True)}
 
 
 def setup(mode: str, ctx: Context) -> Run:

@@ -18,7 +18,13 @@ accelerated model (anything else passes through untouched):
    forward and backward are (mode="reduce-overhead"): torch.compile captures optimizers over CUDA
    parameters as capturable, so the step counters stay on the device.
 
-3. On the xla backend with several ranks (accel.distributed), the gradients are averaged over the ranks at
+3. With graph_steps (compute.step_graph: the whole training step becomes one CUDA graph, accel.graph_step) a
+   torch optimizer over CUDA parameters gets, before its state exists, capturable updates (its step counters
+   on the device, as a capture needs) and a learning rate that is a device tensor: a float would be baked into
+   the captured kernels, so a scheduler's later changes would never reach the replays; torch's schedulers
+   fill a tensor lr in place, which they do.
+
+4. On the xla backend with several ranks (accel.distributed), the gradients are averaged over the ranks at
    every step, before the update (one bucketed all-reduce, accel.xla.reduce_gradients): the usual
    loop needs no xm.optimizer_step; accel.xla.optimizer_step (which reduces first) is not reduced twice.
 
@@ -42,6 +48,7 @@ class _Options(NamedTuple):
     compile_steps: bool
     reduce_gradients: bool
     cuda_graph_steps: bool
+    graph_steps: bool = False
 
 
 # id -> parameter; entries vanish with their tensors (a WeakSet would compare tensors with ==).
@@ -59,9 +66,9 @@ _NONE = _Options(compile_steps=False, reduce_gradients=False, cuda_graph_steps=F
 
 
 def adopt_optimizers(model: torch.nn.Module, compile_steps: bool, reduce_gradients: bool = False,
-                     cuda_graph_steps: bool = False) -> None:
+                     cuda_graph_steps: bool = False, graph_steps: bool = False) -> None:
     """Apply the module docstring's rules to optimizers built over `model`'s parameters."""
-    options = _Options(compile_steps, reduce_gradients, cuda_graph_steps and compile_steps)
+    options = _Options(compile_steps, reduce_gradients, cuda_graph_steps and compile_steps, graph_steps)
     for p in model.parameters():
         if _params.get(id(p)) is not p:
             _params[id(p)] = p
@@ -113,6 +120,18 @@ def _switch_to_fused(optimizer: torch.optim.Optimizer, params: list[torch.Tensor
     optimizer._step_supports_amp_scaling = True  # what torch's constructor sets for fused=True
 
 
+def _make_capturable(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    devices = {p.device for p in params}
+    if optimizer.state or len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return  # state built already (its step counters may be on the host), or not one CUDA device
+    (device,) = devices
+    for group in optimizer.param_groups:
+        if "capturable" in group:
+            group["capturable"] = True
+        if "lr" in group and not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+
+
 def _adopt(optimizer, args, kwargs):
     if torch.compiler.is_compiling() or optimizer in _seen:
         return None  # also inside the compiled step itself, which runs this hook again while tracing
@@ -126,6 +145,8 @@ def _adopt(optimizer, args, kwargs):
     if all(o.reduce_gradients for o in options):
         _reducing.add(optimizer)
     _switch_to_fused(optimizer, params)
+    if all(o.graph_steps for o in options):
+        _make_capturable(optimizer, params)
     wants_compile = all(o.compile_steps for o in options)
     fused_on_cpu = uses_fused_kernel(optimizer) and all(p.device.type == "cpu" for p in params)
     if wants_compile and not fused_on_cpu and type(optimizer).__name__ not in _SKIP:

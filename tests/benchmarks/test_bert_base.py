@@ -78,6 +78,20 @@ def test_accel_model_only_takes_the_batches_itself_and_trains_as_accel(tmp_path)
     assert "accel-model-only" not in bert_base.parse_args([]).modes  # only when named
 
 
+@pytest.mark.slow
+def test_accel_step_graph_captures_on_cuda_and_is_skipped_elsewhere(tmp_path):
+    # 4 warm-up steps: graph_step's 3 plain ones and its capture, then the timed steps replay
+    status, result = _run(tmp_path, "--workload", "fixed", "--modes", "accel,accel-step-graph", "--warmup", "4",
+                          "--steps", "3")
+    assert status == 0
+    row = {r["mode"]: r for r in result["rows"]}["accel-step-graph"]
+    if torch.cuda.is_available():
+        assert row["status"] == "ok", row
+    else:
+        assert row["status"] == "skipped" and "CUDA only" in row["reason"]
+    assert "accel-step-graph" not in bert_base.parse_args([]).modes  # only when named
+
+
 def test_headline_rows_run_first_and_a_spent_budget_skips_the_rest(tmp_path):
     order = bert_base.run_order(2, ["eager", "peer", "accel-kernels", "accel"])
     assert order == [(0, "peer"), (0, "accel"), (1, "peer"), (1, "accel"),
