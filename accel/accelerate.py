@@ -129,14 +129,16 @@ class _AutocastForward:
     """The model's forward under autocast. Set as the instance's `forward`, so module names, hooks and
     state_dict keys stay unchanged; a plain object (not a closure) so the model still pickles."""
 
-    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype):
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype, cache_casts: bool = True):
         self.module = module
         self.inner = module.__dict__.get("forward")  # an instance forward set before us, if any
         self.device_type = device_type
         self.dtype = dtype
+        self.cache_casts = cache_casts
 
     def __call__(self, *args, **kwargs):
-        with torch.autocast(self.device_type, dtype=self.dtype):  # checked by accelerate(); traced under compile
+        # checked by accelerate(); traced under compile
+        with torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=self.cache_casts):
             if self.inner is not None:
                 return self.inner(*args, **kwargs)
             return type(self.module).forward(self.module, *args, **kwargs)
@@ -294,7 +296,10 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
 
             first_token_only(model)
     if dtype is not None:  # outermost: PackedModel calls parts of the model, not its forward
-        object.__setattr__(model, "forward", _AutocastForward(model, device.type, dtype))
+        # a forward captured in a CUDA graph (compute.step_graph) must not cache weight casts (torch.cuda.graph's
+        # rule for autocast); elsewhere the cache saves a cast per use of a weight
+        object.__setattr__(model, "forward", _AutocastForward(model, device.type, dtype,
+                                                              cache_casts=not config.compute.step_graph))
     model = distributed.wrap_model(model, backend, device, config.dist, dtype)
     if compiled:
         n_shapes = len(config.dataloader.bucket_lengths() or ()) or 1  # packed or unbucketed: one length
