@@ -257,6 +257,9 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
                       stacklevel=2)
 
     backend = resolve_backend(config.backend)
+    if config.compute.step_graph and distributed.world_size() > 1:
+        raise ValueError(f"compute.step_graph: one process only so far (world size {distributed.world_size()}): "
+                         "a whole-step graph would hold DDP's or FSDP's collectives, which accel does not capture yet")
     # Refuse sizes that do not fit before any work. FSDP on xla is SPMD: one process, and the world is the
     # devices it drives; SPMD is switched on here, before the model's first XLA computation.
     if distributed.uses_spmd(backend, config.dist):

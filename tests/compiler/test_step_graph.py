@@ -195,3 +195,11 @@ def test_step_graph_on_the_cpu_leaves_the_optimizer_as_torch_builds_it():
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
     assert opt.param_groups[0]["lr"] == 1e-3 and not opt.param_groups[0]["capturable"]
+
+
+def test_step_graph_refuses_several_ranks(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as the launcher sets it, before any process group
+    config = accel.Config(backend="cpu")
+    config.compute.step_graph = True
+    with pytest.raises(ValueError, match="compute.step_graph: one process only"):
+        accel.accelerate(nn.Linear(2, 2), None, config)
