@@ -39,6 +39,7 @@ past its replay besides its outputs, which are copied.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -55,8 +56,12 @@ _PLAIN_HINT = ("give accelerate() config.compute.step_graph = True: graph_step c
 
 def _tensor_device(leaves: list) -> torch.device | None:
     """The one CUDA device of the tensor leaves, or None when the step cannot be captured (no tensor, a tensor
-    elsewhere, or several devices)."""
+    elsewhere, or several devices: then a warning, as a step that never becomes a graph is easy to miss)."""
     devices = {x.device for x in leaves if isinstance(x, torch.Tensor)}
+    if len(devices) > 1:
+        warnings.warn(f"graph_step: the step's tensors are on {len(devices)} devices "
+                      f"({', '.join(sorted(map(str, devices)))}): it runs uncaptured; move them to one CUDA device",
+                      stacklevel=3)
     if len(devices) != 1:
         return None
     (device,) = devices
@@ -64,8 +69,9 @@ def _tensor_device(leaves: list) -> torch.device | None:
 
 
 def _signature(leaves: list, spec) -> tuple:
-    """What a captured graph is specific to: the structure, each tensor's layout, each other value."""
-    parts = []
+    """What a captured graph is specific to: the structure, each tensor's layout, each other value, and
+    whether autograd records (a step called under no_grad is another graph)."""
+    parts = [("grad", torch.is_grad_enabled())]
     for x in leaves:
         if isinstance(x, torch.Tensor):
             parts.append(("tensor", tuple(x.shape), x.stride(), x.dtype, x.requires_grad))

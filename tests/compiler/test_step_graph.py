@@ -29,6 +29,13 @@ def test_off_cuda_the_step_runs_as_it_is():
     assert len(calls) == 5 and step.graphs == 0 and step.__name__ == "step"
 
 
+def test_tensors_on_several_devices_run_uncaptured_and_say_so():
+    step = graph_step(lambda a, b: a.sum() + b.numel())
+    with pytest.warns(UserWarning, match="2 devices .*runs uncaptured"):
+        assert step(torch.ones(2), torch.empty(3, device="meta")) == 5
+    assert step.graphs == 0
+
+
 def test_bad_arguments():
     with pytest.raises(TypeError, match="fn"):
         GraphedStep("step")
@@ -128,6 +135,9 @@ def test_warm_ups_then_one_capture_per_signature_then_replays(monkeypatch):
     step({"x": torch.zeros(4, 3)}, "a")
     step({"x": torch.zeros(4, 3)}, "a")
     assert step.graphs == 2 and fake.ops("capture")[1][2] == graph.pool()
+    with torch.no_grad():  # autograd off: another graph
+        step({"x": torch.zeros(4, 3)}, "a")
+    assert step.graphs == 2 and len(seen) == 8  # a warm-up call: fn ran
     with pytest.raises(ValueError, match="hashable"):
         step({"x": torch.zeros(2, 3)}, {"a set"})  # a leaf pytree does not open, and no key
 
