@@ -118,6 +118,7 @@ class GraphedStep:
         self._graphs: dict[tuple, _Captured] = {}
         self._warmed: dict[tuple, int] = {}
         self._pool = None
+        self._side = None  # the warm-ups' stream
         functools.update_wrapper(self, fn)
 
     @property
@@ -145,11 +146,16 @@ class GraphedStep:
     def _side_stream_call(self, device: torch.device, args, kwargs):
         # torch.cuda.graph's warm-up rule: run the step on a side stream before capturing it
         current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(device)
+        side = self._side
         side.wait_stream(current)
         with torch.cuda.stream(side):
             out = self.fn(*args, **kwargs)
         current.wait_stream(side)
+        for t in pytree.tree_leaves(out):  # made on the side stream, used on the caller's from now on
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                t.record_stream(current)
         return out
 
     def _capture(self, device: torch.device, leaves: list, spec) -> _Captured:
