@@ -212,10 +212,12 @@ def test_xla_device():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("background", [True, False], ids=["thread", "inline"])
 @pytest.mark.parametrize("call_prefetch", [False, True], ids=["auto", "guide_calls"])
-def test_cuda_side_stream_copies_are_waited_for(call_prefetch):
+def test_cuda_side_stream_copies_are_waited_for(call_prefetch, background):
     host = [torch.randn(512, 1024) for _ in range(12)]
-    prefetcher = Prefetcher(DataLoader(host, batch_size=None, pin_memory=False), lambda b: b * 2, device="cuda")
+    prefetcher = Prefetcher(DataLoader(host, batch_size=None, pin_memory=False), lambda b: b * 2, device="cuda",
+                            background=background)
     results = []
     for batch in prefetcher:
         assert batch.is_cuda
