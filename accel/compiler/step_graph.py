@@ -24,7 +24,8 @@ so the host's work per step is a few copies and one graph launch:
 
 What a captured step requires (torch.cuda.graph's rules):
 - every tensor input on one CUDA device, with one of a few shapes (accel's bucketing or packing): each new
-  signature (the inputs' structure, shapes, dtypes, and the values of non-tensor inputs) runs `warmup` plain
+  signature (the inputs' structure, as accel.utils.batch walks it: dicts, BatchEncoding, lists, tuples,
+  dataclasses; each tensor's shape, strides and dtype; the other values, by their repr) runs `warmup` plain
   steps on a side stream (compiling and initialising everything lazy), then is captured; a call whose
   inputs are not all CUDA tensors runs fn as it is;
 - no host synchronisation inside fn (.item(), printing a tensor, a CPU tensor made from a CUDA one);
@@ -44,8 +45,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from accel.utils.batch import iter_tensors, map_tensors
 from accel.utils.checks import check_int
 
 __all__ = ["GraphedStep", "graph_step"]
@@ -54,10 +55,22 @@ _PLAIN_HINT = ("give accelerate() config.compute.step_graph = True: graph_step c
                "cannot hold the CUDA-graph replays of mode='reduce-overhead' inside it")
 
 
-def _tensor_device(leaves: list) -> torch.device | None:
-    """The one CUDA device of the tensor leaves, or None when the step cannot be captured (no tensor, a tensor
+class _Slot:
+    """Stands for a tensor in a signature's picture of the inputs."""
+
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+_SLOT = _Slot()
+# Signatures one step may see before it says that they keep changing (a graph is kept for each).
+_MANY_SIGNATURES = 16
+
+
+def _tensor_device(tensors: list) -> torch.device | None:
+    """The one CUDA device of the inputs' tensors, or None when the step cannot be captured (no tensor, a tensor
     elsewhere, or several devices: then a warning, as a step that never becomes a graph is easy to miss)."""
-    devices = {x.device for x in leaves if isinstance(x, torch.Tensor)}
+    devices = {x.device for x in tensors}
     if len(devices) > 1:
         warnings.warn(f"graph_step: the step's tensors are on {len(devices)} devices "
                       f"({', '.join(sorted(map(str, devices)))}): it runs uncaptured; move them to one CUDA device",
@@ -68,21 +81,16 @@ def _tensor_device(leaves: list) -> torch.device | None:
     return device if device.type == "cuda" else None
 
 
-def _signature(leaves: list, spec) -> tuple:
-    """What a captured graph is specific to: the structure, each tensor's layout, each other value, and
-    whether autograd records (a step called under no_grad is another graph)."""
-    parts = [("grad", torch.is_grad_enabled())]
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            parts.append(("tensor", tuple(x.shape), x.stride(), x.dtype, x.requires_grad))
-        else:
-            try:
-                hash(x)
-            except TypeError:
-                raise ValueError(f"graph_step: a non-tensor input must be hashable (it selects the graph), got a "
-                                 f"{type(x).__name__}") from None
-            parts.append(("value", type(x), x))
-    return (spec, tuple(parts))
+def _signature(inputs, tensors: list) -> tuple:
+    """What a captured graph is specific to: the inputs' structure and non-tensor values (the repr of the inputs
+    with every tensor a slot), each tensor's layout, and whether autograd records (a step called under no_grad
+    is another graph)."""
+    layouts = tuple((tuple(x.shape), x.stride(), x.dtype, x.requires_grad) for x in tensors)
+    return torch.is_grad_enabled(), repr(map_tensors(inputs, lambda t: _SLOT)), layouts
+
+
+def _copy_out(outputs: Any) -> Any:
+    return map_tensors(outputs, lambda t: t.detach().clone())
 
 
 class _Captured:
@@ -90,15 +98,14 @@ class _Captured:
 
     def __init__(self, graph, inputs: list, outputs: Any):
         self.graph = graph
-        self.inputs = inputs  # the tensor leaves' static copies (None for non-tensor leaves)
+        self.inputs = inputs  # static copies of the inputs' tensors, in iter_tensors' order
         self.outputs = outputs
 
-    def run(self, leaves: list) -> Any:
-        for static, x in zip(self.inputs, leaves):
-            if static is not None:
-                static.copy_(x)
+    def run(self, tensors: list) -> Any:
+        for static, x in zip(self.inputs, tensors):
+            static.copy_(x)
         self.graph.replay()
-        return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, self.outputs)
+        return _copy_out(self.outputs)
 
 
 class GraphedStep:
@@ -127,21 +134,27 @@ class GraphedStep:
         return len(self._graphs)
 
     def __call__(self, *args, **kwargs):
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        device = _tensor_device(leaves)
+        inputs = (args, kwargs)
+        tensors = iter_tensors(inputs)
+        device = _tensor_device(tensors)
         if device is None:
             return self.fn(*args, **kwargs)
-        key = _signature(leaves, spec)
+        key = _signature(inputs, tensors)
         captured = self._graphs.get(key)
         if captured is None:
             done = self._warmed.get(key, 0)
             if done < self.warmup:
                 self._warmed[key] = done + 1
+                if len(self._warmed) + len(self._graphs) == _MANY_SIGNATURES and done == 0:
+                    warnings.warn(f"graph_step: {_MANY_SIGNATURES} input signatures so far, each warmed up and "
+                                  "captured on its own: pad the inputs to a few shapes (accel's buckets or "
+                                  "packing), and keep non-tensor arguments the same from step to step",
+                                  stacklevel=2)
                 return self._side_stream_call(device, args, kwargs)
-            captured = self._capture(device, leaves, spec)
+            captured = self._capture(device, inputs)
             self._graphs[key] = captured
             del self._warmed[key]
-        return captured.run(leaves)
+        return captured.run(tensors)
 
     def _side_stream_call(self, device: torch.device, args, kwargs):
         # torch.cuda.graph's warm-up rule: run the step on a side stream before capturing it
@@ -153,16 +166,14 @@ class GraphedStep:
         with torch.cuda.stream(side):
             out = self.fn(*args, **kwargs)
         current.wait_stream(side)
-        for t in pytree.tree_leaves(out):  # made on the side stream, used on the caller's from now on
-            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+        for t in iter_tensors(out):  # made on the side stream, used on the caller's from now on
+            if t.device.type == "cuda":
                 t.record_stream(current)
         return out
 
-    def _capture(self, device: torch.device, leaves: list, spec) -> _Captured:
-        inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else None
-                  for x in leaves]
-        static = pytree.tree_unflatten([s if s is not None else x for s, x in zip(inputs, leaves)], spec)
-        args, kwargs = static
+    def _capture(self, device: torch.device, inputs) -> _Captured:
+        # static copies in the inputs' own containers (a BatchEncoding stays one)
+        args, kwargs = map_tensors(inputs, lambda x: x.detach().clone().requires_grad_(x.requires_grad))
         graph = torch.cuda.CUDAGraph()
         # thread_local: a Prefetcher thread may copy the next batch on its own stream meanwhile
         try:
@@ -174,7 +185,7 @@ class GraphedStep:
                                "printing tensors)") from exc
         if self._pool is None:
             self._pool = graph.pool()
-        return _Captured(graph, inputs, outputs)
+        return _Captured(graph, iter_tensors((args, kwargs)), outputs)
 
 
 def graph_step(fn: Callable | None = None, *, warmup: int = 3):

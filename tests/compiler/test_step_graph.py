@@ -1,5 +1,6 @@
 """accel.graph_step: a whole training step captured as one CUDA graph per input signature (warm-ups on a side
 stream, capture, replays that copy the inputs in), plain calls off CUDA; compute.step_graph's set-up."""
+import collections
 import contextlib
 import copy
 
@@ -98,8 +99,7 @@ class _FakeCuda:
         monkeypatch.setattr(torch.cuda, "graph", graph)
         monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
         monkeypatch.setattr(step_graph, "_tensor_device",
-                            lambda leaves: torch.device("cuda", 0) if any(isinstance(x, torch.Tensor) for x in leaves)
-                            else None)
+                            lambda tensors: torch.device("cuda", 0) if tensors else None)
 
     def ops(self, name):
         return [e for e in self.log if e[0] == name]
@@ -138,8 +138,28 @@ def test_warm_ups_then_one_capture_per_signature_then_replays(monkeypatch):
     with torch.no_grad():  # autograd off: another graph
         step({"x": torch.zeros(4, 3)}, "a")
     assert step.graphs == 2 and len(seen) == 8  # a warm-up call: fn ran
-    with pytest.raises(ValueError, match="hashable"):
-        step({"x": torch.zeros(2, 3)}, {"a set"})  # a leaf pytree does not open, and no key
+
+
+class _Encoding(collections.UserDict):
+    """What transformers' collators return (BatchEncoding): a UserDict with attribute access."""
+
+    def __getattr__(self, name):
+        try:
+            return self.data[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def test_the_inputs_keep_their_containers_in_the_capture(monkeypatch):
+    fake = _FakeCuda(monkeypatch)
+    got = []
+    step = GraphedStep(lambda batch: got.append(batch) or batch.input_ids.sum(), warmup=1)
+    for i in range(4):
+        step(_Encoding(input_ids=torch.full((2, 3), i), labels=torch.tensor([i, i])))
+    assert step.graphs == 1 and len(got) == 2 and len(fake.ops("capture")) == 1
+    captured = got[1]  # the capture's call: static copies, in a BatchEncoding-like container still
+    assert type(captured) is _Encoding and torch.equal(captured.input_ids, torch.full((2, 3), 3))
+    assert torch.equal(captured["labels"], torch.tensor([3, 3]))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: needs a CUDA device")
@@ -213,3 +233,12 @@ def test_step_graph_refuses_several_ranks(monkeypatch):
     config.compute.step_graph = True
     with pytest.raises(ValueError, match="compute.step_graph: one process only"):
         accel.accelerate(nn.Linear(2, 2), None, config)
+
+
+def test_ever_new_signatures_are_said_to_keep_changing(monkeypatch):
+    _FakeCuda(monkeypatch)
+    step = GraphedStep(lambda x: x.sum(), warmup=2)
+    with pytest.warns(UserWarning, match="16 input signatures so far"):
+        for n in range(1, 17):  # a new length every call: nothing is ever captured
+            step(torch.ones(n))
+    assert step.graphs == 0
