@@ -126,7 +126,7 @@ class GraphedStep:
         self._warmed: dict[tuple, int] = {}
         self._pool = None
         self._side = None  # the warm-ups' stream
-        functools.update_wrapper(self, fn)
+        functools.update_wrapper(self, fn, updated=())  # name and doc; never fn.__dict__ over our own state
 
     @property
     def graphs(self) -> int:
