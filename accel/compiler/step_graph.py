@@ -81,12 +81,22 @@ def _tensor_device(tensors: list) -> torch.device | None:
     return device if device.type == "cuda" else None
 
 
-def _signature(inputs, tensors: list) -> tuple:
-    """What a captured graph is specific to: the inputs' structure and non-tensor values (the repr of the inputs
-    with every tensor a slot), each tensor's layout, and whether autograd records (a step called under no_grad
-    is another graph)."""
+def _tensors_and_skeleton(inputs) -> tuple[list, Any]:
+    """The inputs' tensors in iter_tensors' order, and the inputs with every tensor a slot: one walk a call."""
+    tensors: list[torch.Tensor] = []
+
+    def slot(t: torch.Tensor) -> _Slot:
+        tensors.append(t)
+        return _SLOT
+
+    return tensors, map_tensors(inputs, slot)
+
+
+def _signature(skeleton, tensors: list) -> tuple:
+    """What a captured graph is specific to: the inputs' structure and non-tensor values (the skeleton's repr),
+    each tensor's layout, and whether autograd records (a step called under no_grad is another graph)."""
     layouts = tuple((tuple(x.shape), x.stride(), x.dtype, x.requires_grad) for x in tensors)
-    return torch.is_grad_enabled(), repr(map_tensors(inputs, lambda t: _SLOT)), layouts
+    return torch.is_grad_enabled(), repr(skeleton), layouts
 
 
 def _copy_out(outputs: Any) -> Any:
@@ -135,11 +145,11 @@ class GraphedStep:
 
     def __call__(self, *args, **kwargs):
         inputs = (args, kwargs)
-        tensors = iter_tensors(inputs)
+        tensors, skeleton = _tensors_and_skeleton(inputs)
         device = _tensor_device(tensors)
         if device is None:
             return self.fn(*args, **kwargs)
-        key = _signature(inputs, tensors)
+        key = _signature(skeleton, tensors)
         captured = self._graphs.get(key)
         if captured is None:
             done = self._warmed.get(key, 0)

@@ -116,8 +116,6 @@ class _Worker:
 class _InlineWorker:
     """_Worker's interface, each job run at once in the caller's thread (Prefetcher(background=False))."""
 
-    thread = None
-
     def submit(self, fn) -> Future:
         future: Future = Future()
         future.set_running_or_notify_cancel()
