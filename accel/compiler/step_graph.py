@@ -179,7 +179,9 @@ class GraphedStep:
         for t in iter_tensors(out):  # made on the side stream, used on the caller's from now on
             if t.device.type == "cuda":
                 t.record_stream(current)
-        return out
+        # detached as a replay's are: a returned loss would keep the step's autograd graph (and its
+        # AccumulateGrad nodes, made on the side stream) alive into the next step, which torch warns about
+        return map_tensors(out, torch.Tensor.detach)
 
     def _capture(self, device: torch.device, inputs) -> _Captured:
         # static copies in the inputs' own containers (a BatchEncoding stays one)

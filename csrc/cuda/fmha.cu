@@ -1,8 +1,8 @@
 // Fused Swin window attention scores on CUDA: softmax(attn + relative_pos_bias + attn_mask) over the
 // last dim, and its backward (see csrc/cpu/fmha.cpp for the schemas and shapes).
 //
-// Forward: one warp per row of N <= 1024 scores (2 to 8 rows at a time, rows_at_once, for memory-level
-// parallelism). Each lane keeps its ceil(N/32) values in registers (KPT, a template parameter picked from N),
+// Forward: one warp per row of N <= 1024 scores (two rows at a time, for memory-level parallelism).
+// Each lane keeps its ceil(N/32) values in registers (KPT, a template parameter picked from N),
 // so attn is read once and the output written once; the max and the sum are fp32 (fp64 for double)
 // warp-shuffle reductions. bias/mask rows are tiny and shared by many rows, so they stay in cache; they are
 // read in attn's 16-bit dtype when both have it, else in fp32 (no conversion kernel a call).
@@ -51,13 +51,18 @@ __device__ __forceinline__ T warp_sum(T v) {
 __device__ __forceinline__ float exp_op(float v) { return expf(v); }
 __device__ __forceinline__ double exp_op(double v) { return exp(v); }
 
-// Rows each warp handles at once: all their loads are issued before the first reduction, so a warp keeps
-// that many rows' bytes in flight. Swin rows are short (49 values, under 2 a lane): with two rows a warp the
-// stage-1 forward was bound by latency, not bandwidth (H100: fp16 as slow as fp32, 48% of copy bandwidth),
-// so short rows take 8 at once; long rows take 2 (their values already fill the registers).
-template <int KPT>
-constexpr int rows_at_once() {
-  return KPT <= 2 ? 8 : KPT <= 4 ? 4 : 2;
+// Rows each forward warp handles at once: their loads are all issued before the first reduction, so a warp
+// keeps twice the bytes in flight. 8 rows lost on an H200 (benchmarks/results/kernels_ab_cuda_h200_run3.json:
+// Swin stage-1 and stage-3 fp32 0.86-0.87x two rows; the 16-bit stage-3 rows gained only from reading the
+// bias and mask without conversion kernels, which stage 1 lost again to the 8 rows).
+constexpr int kFwdRows = 2;
+
+// Windows each backward warp handles at once. The same H200 A/B: 8 at once (KPT <= 2) with one chunk (below)
+// made the fp32 stage-3 backward 1.25x two at once and left stage 1 unchanged, but the 16-bit one 0.64x
+// (stage 1) and 0.80x (stage 3): 16-bit rows keep 2 (and so never take the one-chunk path at Swin's sizes).
+template <typename scalar_t, int KPT>
+constexpr int bwd_rows_at_once() {
+  return sizeof(scalar_t) >= 4 && KPT <= 2 ? 8 : 2;
 }
 
 // Row r of attn [B*nW, nH, N, N] is query i = r % N of head h = (r / N) % nH of window-batch row
@@ -86,7 +91,7 @@ __device__ __forceinline__ void bias_and_mask_rows(int64_t r, const RowMap& m, i
   }
 }
 
-// Forward. Warp q handles rows kRows*q ... kRows*q+kRows-1, kRows = rows_at_once<KPT>().
+// Forward. Warp q handles rows kRows*q ... kRows*q+kRows-1, kRows = kFwdRows.
 // Assumptions: blockDim.x a multiple of kWarp; gridDim.x * blockDim.x / kWarp * kRows >= rows; N <= 32 * KPT;
 // bias_t (of bias and mask) is scalar_t or its opmath type, widened to the opmath type on load (exact).
 template <typename scalar_t, typename bias_t, int KPT>
@@ -94,7 +99,7 @@ __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const bias_t*
                                 const bias_t* __restrict__ mask, scalar_t* __restrict__ out, int64_t rows,
                                 RowMap map) {
   using acc_t = at::opmath_type<scalar_t>;
-  constexpr int kRows = rows_at_once<KPT>();
+  constexpr int kRows = kFwdRows;
   const int N = static_cast<int>(map.N.d);
   const int lane = threadIdx.x % kWarp;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp) * kRows;
@@ -153,13 +158,13 @@ __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const bias_t*
 
 // Backward, fused with the first stage of the bias-gradient reduction.
 // Block blockIdx.x = c * (nH*N) + e owns bias row e = h*N + i and windows [c*chunk, (c+1)*chunk);
-// its warps take kRows = rows_at_once<KPT>() windows at a time.
+// its warps take kRows = bwd_rows_at_once<scalar_t, KPT>() windows at a time.
 template <typename scalar_t, int KPT>
 __global__ void fmha_bwd_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ out,
                                 scalar_t* __restrict__ dx, at::opmath_type<scalar_t>* __restrict__ partial,
                                 int64_t BnW, int64_t bias_rows, int N, int64_t chunk) {
   using acc_t = at::opmath_type<scalar_t>;
-  constexpr int kRows = rows_at_once<KPT>();
+  constexpr int kRows = bwd_rows_at_once<scalar_t, KPT>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   acc_t* smem = reinterpret_cast<acc_t*>(smem_raw);  // [warps][N]
   const int lane = threadIdx.x % kWarp;
@@ -284,7 +289,7 @@ at::Tensor fmha_fwd_cuda(const at::Tensor& attn_, const at::Tensor& bias_, const
       const bias_t* m = mask.defined() ? mask.const_data_ptr<bias_t>() : nullptr;
       dispatch_kpt(static_cast<int>(N), [&](auto kpt) {
         constexpr int KPT = decltype(kpt)::value;
-        constexpr int64_t rows_per_block = threads / kWarp * rows_at_once<KPT>();
+        constexpr int64_t rows_per_block = threads / kWarp * kFwdRows;
         const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
         fmha_fwd_kernel<scalar_t, bias_t, KPT><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
             attn.const_data_ptr<scalar_t>(), bias.const_data_ptr<bias_t>(), m, out.mutable_data_ptr<scalar_t>(),
@@ -329,10 +334,10 @@ std::tuple<at::Tensor, at::Tensor> fmha_bwd_cuda(const at::Tensor& grad_, const 
     dbias = at::empty({nH, N, N}, out.options().dtype(op_dtype));
     dispatch_kpt(static_cast<int>(N), [&](auto kpt) {
       constexpr int KPT = decltype(kpt)::value;
-      const int64_t per_pass = warps * rows_at_once<KPT>();  // windows a block takes at once
+      const int64_t per_pass = warps * bwd_rows_at_once<scalar_t, KPT>();  // windows a block takes at once
       // One chunk where the bias rows alone give 4 blocks an SM and a block takes at most 4 passes (Swin's
-      // later stages at moderate batches: 12 heads x 49 rows): no second kernel and no partial rows (the
-      // stage-3 16-bit backward, two launches of a few microseconds, ran 0.84-0.92x torch's two ops on the H100).
+      // later stages at moderate batches: 12 heads x 49 rows): no second kernel and no partial rows (with
+      // 8 windows a warp, the fp32 stage-3 backward at batch 32 on an H200: 1.25x four chunks of 2).
       const bool one_chunk = bias_rows >= sms * 4 && BnW <= 4 * per_pass;
       const int64_t chunk = one_chunk ? BnW : std::max<int64_t>(per_pass, (BnW + want_chunks - 1) / want_chunks);
       const int64_t chunks = (BnW + chunk - 1) / chunk;

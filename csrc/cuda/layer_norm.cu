@@ -3,8 +3,9 @@
 // x is [M, N] (rows x normalized size). Forward and dx: a team of `tpr` threads per row, tpr a
 // power of two from 32 (one warp per row, several rows per block: small and medium N) up to 1024
 // (one block per row: large N), so no thread handles more than a few dozen elements (forward rows are held
-// in registers, up to fwd_vectors() vectors a thread, and x read once, when the team fits 512 threads). A team reduces with warp shuffles and, when wider than a warp, through shared
-// memory. Statistics are in float (double for float64 x): shifted sums per thread, merged across threads
+// in registers, up to fwd_vectors() vectors a thread, and x read once, when the team fits 512 threads and,
+// for 16-bit rows, is wider than a warp). A team reduces with warp shuffles and, when wider than a warp,
+// through shared memory. Statistics are in float (double for float64 x): shifted sums per thread, merged across threads
 // as Welford states (a row whose sums overflow, |x| around 1e19 and beyond in float, is redone on exactly
 // scaled values). Loads and stores are 16-byte vectors when N and every pointer allow it.
 //
@@ -150,13 +151,16 @@ constexpr int kLoopVectors = 8;
 // A/B on an H100 against the loop over memory with up to kLoopVectors vectors a thread
 // (benchmarks/results/kernels_ab_cuda_h100_run2.json), 4 vectors a thread: float rows of 768 to 4096
 // 1.07-1.23x, 8192 and 65536 0.98-1.02x; bf16 rows 0.83-1.05x, but there the team was twice the loop's
-// (8192: 256 threads, 0.83x). So 16-bit rows hold kLoopVectors (8: 128 bytes, the loop's team) instead,
-// and read their x once too (to A/B on the next GPU run).
+// (8192: 256 threads, 0.83x). So 16-bit rows hold kLoopVectors (8: 128 bytes, the loop's team) instead.
+// A/B of that on an H200 (kernels_ab_cuda_h200_run3.json): bf16 rows of 4096 and 8192 1.03-1.05x the loop,
+// but 768 and 1024 (a one-warp team, 3-4 vectors a thread) 0.88-0.89x: 16-bit rows are held only when their
+// team is wider than a warp (kHeldMin16).
 template <typename T>
 constexpr int fwd_vectors() {
   return sizeof(T) >= 4 ? 4 : kLoopVectors;
 }
 constexpr int kHeldMaxTeam = 512;
+constexpr int kHeldMin16 = 2 * kWarp;  // the narrowest team that holds 16-bit rows
 
 // One thread's (count, mean, M2) of f(x) over the vectors lane, lane + tpr, ... of a row (lane < nvec),
 // its mean as an offset from `base`: sums of (f(x) - shift) and its square, shifted by one of the thread's
@@ -593,7 +597,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cuda(
       kernel<<<l.blocks, l.threads, 0, stream>>>(d.x, d.w, d.b, d.y, d.mean, d.rstd, M, N, static_cast<acc_t>(eps),
                                                   l.tpr);
     };
-    const bool held = l.tpr <= kHeldMaxTeam && N / vec <= (int64_t)l.tpr * kHeldVectors;
+    const bool held = l.tpr <= kHeldMaxTeam && N / vec <= (int64_t)l.tpr * kHeldVectors &&
+                      (sizeof(T) >= 4 || l.tpr >= kHeldMin16);
     if (vec_ok && held) run(layer_norm_fwd_kernel<T, P, VEC, true>);
     else if (vec_ok) run(layer_norm_fwd_kernel<T, P, VEC, false>);
     else if (held) run(layer_norm_fwd_kernel<T, P, 1, true>);

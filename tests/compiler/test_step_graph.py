@@ -111,7 +111,9 @@ def test_warm_ups_then_one_capture_per_signature_then_replays(monkeypatch):
 
     def fn(batch, flag):
         seen.append((batch["x"], flag, len(fake.ops("enter")), len(fake.ops("capture"))))
-        return batch["x"] * 2, flag
+        return batch["x"] * w, flag
+
+    w = torch.tensor(2.0, requires_grad=True)
 
     step = GraphedStep(fn, warmup=2)
     batches = [{"x": torch.full((2, 3), float(i))} for i in range(5)]
@@ -119,6 +121,8 @@ def test_warm_ups_then_one_capture_per_signature_then_replays(monkeypatch):
     # calls 1-2: plain, each on a side stream that waits for the current one and is waited for after
     assert [s[0] is b["x"] for s, b in zip(seen[:2], batches)] == [True, True]
     assert [s[2] for s in seen[:2]] == [1, 2] and len(fake.ops("wait")) == 4
+    # what they return is detached, as a replay's copies are: no autograd graph kept alive into the next step
+    assert outs[0][0].grad_fn is None and not outs[0][0].requires_grad and torch.equal(outs[0][0], batches[0]["x"] * 2)
     # call 3: captured with static copies of the inputs (not the caller's tensors), then replayed at once
     assert len(seen) == 3 and seen[2][3] == 1 and seen[2][0] is not batches[2]["x"]
     (_, graph, pool, mode), = fake.ops("capture")

@@ -347,7 +347,7 @@ def test_longest_rows_the_cuda_kernel_takes(device, N):
 
 # (B, nW, nH, N, bias-gradient tolerance): many windows. 66000 window-heads (rows beyond any gridDim.y/z) of
 # N = 4, enough windows that the CUDA bias gradient is summed over several chunks (33000 fp32 terms per bias
-# element); 256 windows of Swin's 49 (stage-1 heads), where the CUDA backward's warps take eight windows at a
+# element); 256 windows of Swin's 49 (stage-1 heads), where the CUDA fp32 backward's warps take eight windows at a
 # time, in 8 chunks of 32 on an H100's 132 SMs; 36 windows, a second chunk of 4 (a part-filled pass); 16 heads
 # of 49 (784 bias rows, 4 blocks an SM on GPUs of up to 196 SMs) over 32 windows: one chunk, no second kernel.
 MANY_WINDOWS = [pytest.param(1100, 30, 2, 4, (1e-4, 1e-3), id="66000-window-heads"),
