@@ -1,10 +1,10 @@
 // Fused Swin window attention scores on CUDA: softmax(attn + relative_pos_bias + attn_mask) over the
 // last dim, and its backward (see csrc/cpu/fmha.cpp for the schemas and shapes).
 //
-// Forward: one warp per row of N <= 1024 scores (two rows at a time, for memory-level parallelism).
-// Each lane keeps its ceil(N/32) values in registers (KPT, a template parameter picked from N),
-// so attn is read once and the output written once; the max and the sum are fp32 (fp64 for double)
-// warp-shuffle reductions. bias/mask rows are tiny and shared by many rows, so they stay in cache; they are
+// Forward: one warp per row of N <= 1024 scores, two rows at a time; the warps are persistent and load their
+// next two rows while they reduce the current ones (memory-level parallelism). Each lane keeps its ceil(N/32)
+// values in registers (KPT, a template parameter picked from N), so attn is read once and the output written
+// once; the max and the sum are fp32 (fp64 for double) warp-shuffle reductions. bias/mask rows are tiny and shared by many rows, so they stay in cache; they are
 // read in attn's 16-bit dtype when both have it, else in fp32 (no conversion kernel a call).
 // A row of -inf (fully masked) or holding a NaN gives NaN, as torch.softmax does.
 // Backward: dx = y * (g - sum(g * y)) per row, again one warp per row. The bias gradient sums dx over
@@ -22,6 +22,7 @@
 #include "cuda/fast_div.cuh"
 #include "fmha_host.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -51,8 +52,7 @@ __device__ __forceinline__ T warp_sum(T v) {
 __device__ __forceinline__ float exp_op(float v) { return expf(v); }
 __device__ __forceinline__ double exp_op(double v) { return exp(v); }
 
-// Rows each forward warp handles at once: their loads are all issued before the first reduction, so a warp
-// keeps twice the bytes in flight. 8 rows lost on an H200 (benchmarks/results/kernels_ab_cuda_h200_run3.json:
+// Rows each forward warp handles at once: their loads are all issued together. 8 rows lost on an H200 (benchmarks/results/kernels_ab_cuda_h200_run3.json:
 // Swin stage-1 and stage-3 fp32 0.86-0.87x two rows; the 16-bit stage-3 rows gained only from reading the
 // bias and mask without conversion kernels, which stage 1 lost again to the 8 rows).
 constexpr int kFwdRows = 2;
@@ -91,9 +91,42 @@ __device__ __forceinline__ void bias_and_mask_rows(int64_t r, const RowMap& m, i
   }
 }
 
-// Forward. Warp q handles rows kRows*q ... kRows*q+kRows-1, kRows = kFwdRows.
-// Assumptions: blockDim.x a multiple of kWarp; gridDim.x * blockDim.x / kWarp * kRows >= rows; N <= 32 * KPT;
-// bias_t (of bias and mask) is scalar_t or its opmath type, widened to the opmath type on load (exact).
+// One row group's raw inputs, loaded ahead of their use: lane's KPT values of attn, bias and mask for each of
+// the kRows rows from `first` on (rows past the end and values past N are left unset and never read).
+template <typename scalar_t, typename bias_t, int KPT, int kRows>
+struct RowGroup {
+  scalar_t a[kRows][KPT];
+  bias_t b[kRows][KPT], m[kRows][KPT];
+
+  __device__ __forceinline__ void load(const scalar_t* __restrict__ attn, const bias_t* __restrict__ bias,
+                                       const bias_t* __restrict__ mask, int64_t first, int64_t rows, int N, int lane,
+                                       const RowMap& map) {
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) {
+      const int64_t row = first + q;
+      if (row >= rows) break;  // uniform over the warp
+      int64_t bias_row, mask_row;
+      bias_and_mask_rows(row, map, bias_row, mask_row);
+#pragma unroll
+      for (int k = 0; k < KPT; ++k) {
+        const int j = lane + k * kWarp;
+        if (j < N) {
+          a[q][k] = attn[row * N + j];
+          b[q][k] = bias[bias_row * N + j];
+          if (mask != nullptr) m[q][k] = mask[mask_row * N + j];
+        }
+      }
+    }
+  }
+};
+
+// Forward. Warps are persistent: warp w of the grid's W handles the row groups w, w + W, ... of kRows rows
+// each, and loads the next group's values (RowGroup) before it reduces the current one, so its loads are in
+// flight while it computes. A warp per group with nothing loaded ahead (one launch of rows / 16 blocks) left
+// each block's lifetime a chain of memory latencies: the stage-1 forward ran at 36% of an H200's copy
+// bandwidth in fp32 and 18% in 16-bit, where the time was the same for half the bytes.
+// Assumptions: blockDim.x a multiple of kWarp; any grid; N <= 32 * KPT; bias_t (of bias and mask) is scalar_t
+// or its opmath type, widened to the opmath type on load (exact).
 template <typename scalar_t, typename bias_t, int KPT>
 __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const bias_t* __restrict__ bias,
                                 const bias_t* __restrict__ mask, scalar_t* __restrict__ out, int64_t rows,
@@ -102,56 +135,55 @@ __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const bias_t*
   constexpr int kRows = kFwdRows;
   const int N = static_cast<int>(map.N.d);
   const int lane = threadIdx.x % kWarp;
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp) * kRows;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp) * kRows;
+  int64_t first = (static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp) * kRows;
   if (first >= rows) return;  // uniform over the warp: whole warps leave, shuffles stay full
 
-  acc_t v[kRows][KPT];
-  acc_t mx[kRows];
+  RowGroup<scalar_t, bias_t, KPT, kRows> next;
+  next.load(attn, bias, mask, first, rows, N, lane, map);
+  for (; first < rows; first += stride) {
+    acc_t v[kRows][KPT];
+    acc_t mx[kRows];
 #pragma unroll
-  for (int q = 0; q < kRows; ++q) {
-    const int64_t row = first + q;
-    mx[q] = -std::numeric_limits<acc_t>::infinity();
-    const bool valid = row < rows;  // uniform over the warp
-    int64_t bias_row, mask_row;
-    bias_and_mask_rows(row, map, bias_row, mask_row);
-    const scalar_t* a = attn + row * N;
-    const bias_t* b = bias + bias_row * N;
-    const bias_t* m = mask != nullptr ? mask + mask_row * N : nullptr;
+    for (int q = 0; q < kRows; ++q) {
+      mx[q] = -std::numeric_limits<acc_t>::infinity();
 #pragma unroll
-    for (int k = 0; k < KPT; ++k) {
-      const int j = lane + k * kWarp;
-      if (valid && j < N) {
-        v[q][k] = static_cast<acc_t>(a[j]) + static_cast<acc_t>(b[j]) +
-                  (m != nullptr ? static_cast<acc_t>(m[j]) : acc_t(0));
-        mx[q] = max(mx[q], v[q][k]);
+      for (int k = 0; k < KPT; ++k) {
+        if (first + q < rows && lane + k * kWarp < N) {
+          v[q][k] = static_cast<acc_t>(next.a[q][k]) + static_cast<acc_t>(next.b[q][k]) +
+                    (mask != nullptr ? static_cast<acc_t>(next.m[q][k]) : acc_t(0));
+          mx[q] = max(mx[q], v[q][k]);
+        }
       }
     }
-  }
+    // this group's values are in v: the next group's loads go out before the reductions
+    if (first + stride < rows) next.load(attn, bias, mask, first + stride, rows, N, lane, map);
 #pragma unroll
-  for (int q = 0; q < kRows; ++q) mx[q] = warp_max(mx[q]);
-  acc_t sum[kRows];
+    for (int q = 0; q < kRows; ++q) mx[q] = warp_max(mx[q]);
+    acc_t sum[kRows];
 #pragma unroll
-  for (int q = 0; q < kRows; ++q) {
-    sum[q] = 0;
+    for (int q = 0; q < kRows; ++q) {
+      sum[q] = 0;
 #pragma unroll
-    for (int k = 0; k < KPT; ++k) {
-      if (first + q < rows && lane + k * kWarp < N) {
-        v[q][k] = exp_op(v[q][k] - mx[q]);
-        sum[q] += v[q][k];
+      for (int k = 0; k < KPT; ++k) {
+        if (first + q < rows && lane + k * kWarp < N) {
+          v[q][k] = exp_op(v[q][k] - mx[q]);
+          sum[q] += v[q][k];
+        }
       }
     }
-  }
 #pragma unroll
-  for (int q = 0; q < kRows; ++q) sum[q] = warp_sum(sum[q]);
+    for (int q = 0; q < kRows; ++q) sum[q] = warp_sum(sum[q]);
 #pragma unroll
-  for (int q = 0; q < kRows; ++q) {
-    if (first + q >= rows) break;
-    const acc_t inv = acc_t(1) / sum[q];
-    scalar_t* y = out + (first + q) * N;
+    for (int q = 0; q < kRows; ++q) {
+      if (first + q >= rows) break;
+      const acc_t inv = acc_t(1) / sum[q];
+      scalar_t* y = out + (first + q) * N;
 #pragma unroll
-    for (int k = 0; k < KPT; ++k) {
-      const int j = lane + k * kWarp;
-      if (j < N) y[j] = static_cast<scalar_t>(v[q][k] * inv);
+      for (int k = 0; k < KPT; ++k) {
+        const int j = lane + k * kWarp;
+        if (j < N) y[j] = static_cast<scalar_t>(v[q][k] * inv);
+      }
     }
   }
 }
@@ -267,8 +299,9 @@ at::Tensor fmha_fwd_cuda(const at::Tensor& attn_, const at::Tensor& bias_, const
   const int64_t nH = attn.size(1), N = attn.size(2);
   const int64_t rows = attn.size(0) * nH * N;
   constexpr int threads = 256;
-  TORCH_CHECK(rows / (threads / kWarp) <= std::numeric_limits<int32_t>::max(), "fmha_swin_fwd: too many rows (",
-              rows, ")");
+  // persistent warps: as many blocks as the GPU holds at once, fewer when the rows do not fill them
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  const int64_t resident = static_cast<int64_t>(prop->multiProcessorCount) * (prop->maxThreadsPerMultiProcessor / threads);
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "fmha_swin_fwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -290,7 +323,7 @@ at::Tensor fmha_fwd_cuda(const at::Tensor& attn_, const at::Tensor& bias_, const
       dispatch_kpt(static_cast<int>(N), [&](auto kpt) {
         constexpr int KPT = decltype(kpt)::value;
         constexpr int64_t rows_per_block = threads / kWarp * kFwdRows;
-        const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
+        const int64_t blocks = std::min<int64_t>((rows + rows_per_block - 1) / rows_per_block, resident);
         fmha_fwd_kernel<scalar_t, bias_t, KPT><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
             attn.const_data_ptr<scalar_t>(), bias.const_data_ptr<bias_t>(), m, out.mutable_data_ptr<scalar_t>(),
             rows, map);
