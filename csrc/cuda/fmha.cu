@@ -91,40 +91,12 @@ __device__ __forceinline__ void bias_and_mask_rows(int64_t r, const RowMap& m, i
   }
 }
 
-// One row group's raw inputs, loaded ahead of their use: lane's KPT values of attn, bias and mask for each of
-// the kRows rows from `first` on (rows past the end and values past N are left unset and never read).
-template <typename scalar_t, typename bias_t, int KPT, int kRows>
-struct RowGroup {
-  scalar_t a[kRows][KPT];
-  bias_t b[kRows][KPT], m[kRows][KPT];
-
-  __device__ __forceinline__ void load(const scalar_t* __restrict__ attn, const bias_t* __restrict__ bias,
-                                       const bias_t* __restrict__ mask, int64_t first, int64_t rows, int N, int lane,
-                                       const RowMap& map) {
-#pragma unroll
-    for (int q = 0; q < kRows; ++q) {
-      const int64_t row = first + q;
-      if (row >= rows) break;  // uniform over the warp
-      int64_t bias_row, mask_row;
-      bias_and_mask_rows(row, map, bias_row, mask_row);
-#pragma unroll
-      for (int k = 0; k < KPT; ++k) {
-        const int j = lane + k * kWarp;
-        if (j < N) {
-          a[q][k] = attn[row * N + j];
-          b[q][k] = bias[bias_row * N + j];
-          if (mask != nullptr) m[q][k] = mask[mask_row * N + j];
-        }
-      }
-    }
-  }
-};
-
 // Forward. Warps are persistent: warp w of the grid's W handles the row groups w, w + W, ... of kRows rows
-// each, and loads the next group's values (RowGroup) before it reduces the current one, so its loads are in
-// flight while it computes. A warp per group with nothing loaded ahead (one launch of rows / 16 blocks) left
-// each block's lifetime a chain of memory latencies: the stage-1 forward ran at 36% of an H200's copy
-// bandwidth in fp32 and 18% in 16-bit, where the time was the same for half the bytes.
+// each, and (short rows, kAhead) loads the next group's attn values before it reduces the current group, so
+// its DRAM reads are in flight while it computes (bias and mask rows are cache hits). One-shot warps (a launch
+// of rows / 16 blocks) left each block's lifetime a chain of memory latencies: the stage-1 forward ran at 36%
+// of an H200's copy bandwidth in fp32 and 18% in 16-bit, as slow for half the bytes. Long rows (KPT > 4)
+// read attn where they use it: held twice, their values would double the registers.
 // Assumptions: blockDim.x a multiple of kWarp; any grid; N <= 32 * KPT; bias_t (of bias and mask) is scalar_t
 // or its opmath type, widened to the opmath type on load (exact).
 template <typename scalar_t, typename bias_t, int KPT>
@@ -133,31 +105,51 @@ __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const bias_t*
                                 RowMap map) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int kRows = kFwdRows;
+  constexpr bool kAhead = KPT <= 4;
   const int N = static_cast<int>(map.N.d);
   const int lane = threadIdx.x % kWarp;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp) * kRows;
   int64_t first = (static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp) * kRows;
   if (first >= rows) return;  // uniform over the warp: whole warps leave, shuffles stay full
 
-  RowGroup<scalar_t, bias_t, KPT, kRows> next;
-  next.load(attn, bias, mask, first, rows, N, lane, map);
+  scalar_t a[kRows][KPT];  // a group's attn values; past the last row or N: unset, never read
+  const auto load = [&](int64_t group) {
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) {
+#pragma unroll
+      for (int k = 0; k < KPT; ++k) {
+        const int j = lane + k * kWarp;
+        if (group + q < rows && j < N) a[q][k] = attn[(group + q) * N + j];
+      }
+    }
+  };
+  if constexpr (kAhead) load(first);
   for (; first < rows; first += stride) {
     acc_t v[kRows][KPT];
     acc_t mx[kRows];
 #pragma unroll
     for (int q = 0; q < kRows; ++q) {
+      const int64_t row = first + q;
       mx[q] = -std::numeric_limits<acc_t>::infinity();
+      if (row >= rows) continue;  // uniform over the warp
+      int64_t bias_row, mask_row;
+      bias_and_mask_rows(row, map, bias_row, mask_row);
+      const bias_t* b = bias + bias_row * N;
+      const bias_t* m = mask != nullptr ? mask + mask_row * N : nullptr;
 #pragma unroll
       for (int k = 0; k < KPT; ++k) {
-        if (first + q < rows && lane + k * kWarp < N) {
-          v[q][k] = static_cast<acc_t>(next.a[q][k]) + static_cast<acc_t>(next.b[q][k]) +
-                    (mask != nullptr ? static_cast<acc_t>(next.m[q][k]) : acc_t(0));
+        const int j = lane + k * kWarp;
+        if (j < N) {
+          const scalar_t x = kAhead ? a[q][k] : attn[row * N + j];  // long rows: read here, as used
+          v[q][k] = static_cast<acc_t>(x) + static_cast<acc_t>(b[j]) + (m != nullptr ? static_cast<acc_t>(m[j]) : acc_t(0));
           mx[q] = max(mx[q], v[q][k]);
         }
       }
     }
     // this group's values are in v: the next group's loads go out before the reductions
-    if (first + stride < rows) next.load(attn, bias, mask, first + stride, rows, N, lane, map);
+    if constexpr (kAhead) {
+      if (first + stride < rows) load(first + stride);
+    }
 #pragma unroll
     for (int q = 0; q < kRows; ++q) mx[q] = warp_max(mx[q]);
     acc_t sum[kRows];
@@ -190,7 +182,10 @@ __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const bias_t*
 
 // Backward, fused with the first stage of the bias-gradient reduction.
 // Block blockIdx.x = c * (nH*N) + e owns bias row e = h*N + i and windows [c*chunk, (c+1)*chunk);
-// its warps take kRows = bwd_rows_at_once<scalar_t, KPT>() windows at a time.
+// its warps take kRows = bwd_rows_at_once<scalar_t, KPT>() windows at a time (short rows: the next ones
+// loaded ahead).
+// Assumptions: blockDim.x a multiple of kWarp, (blockDim.x / kWarp) * N values of acc_t in dynamic shared
+// memory; gridDim.x = chunks * bias_rows with chunks * chunk >= BnW; N <= 32 * KPT.
 template <typename scalar_t, int KPT>
 __global__ void fmha_bwd_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ out,
                                 scalar_t* __restrict__ dx, at::opmath_type<scalar_t>* __restrict__ partial,
@@ -210,22 +205,41 @@ __global__ void fmha_bwd_kernel(const scalar_t* __restrict__ grad, const scalar_
 #pragma unroll
   for (int k = 0; k < KPT; ++k) acc[k] = 0;
 
-  for (int64_t bw0 = c * chunk + warp; bw0 < bw_end; bw0 += kRows * warps) {
-    acc_t g[kRows][KPT], y[kRows][KPT], dot[kRows];
+  // Where a pass's values are few (kAhead), the next pass's g and y are loaded before this pass's reductions
+  // (in flight while the warp computes); else at the top of each pass (held twice they would spill).
+  // Values past bw_end or N are zeros.
+  constexpr bool kAhead = KPT * kRows <= 8;
+  scalar_t gn[kRows][KPT], yn[kRows][KPT];
+  const auto load = [&](int64_t bw0) {
 #pragma unroll
     for (int q = 0; q < kRows; ++q) {
       const int64_t bw = bw0 + q * warps;
       const int64_t base = (bw * bias_rows + e) * N;
-      dot[q] = 0;
 #pragma unroll
       for (int k = 0; k < KPT; ++k) {
         const int j = lane + k * kWarp;
         const bool in = bw < bw_end && j < N;
-        g[q][k] = in ? static_cast<acc_t>(grad[base + j]) : acc_t(0);
-        y[q][k] = in ? static_cast<acc_t>(out[base + j]) : acc_t(0);
+        gn[q][k] = in ? grad[base + j] : scalar_t(0);
+        yn[q][k] = in ? out[base + j] : scalar_t(0);
+      }
+    }
+  };
+  const int64_t step = static_cast<int64_t>(kRows) * warps;
+  if (kAhead && c * chunk + warp < bw_end) load(c * chunk + warp);
+  for (int64_t bw0 = c * chunk + warp; bw0 < bw_end; bw0 += step) {
+    if constexpr (!kAhead) load(bw0);
+    acc_t g[kRows][KPT], y[kRows][KPT], dot[kRows];
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) {
+      dot[q] = 0;
+#pragma unroll
+      for (int k = 0; k < KPT; ++k) {
+        g[q][k] = static_cast<acc_t>(gn[q][k]);
+        y[q][k] = static_cast<acc_t>(yn[q][k]);
         dot[q] += g[q][k] * y[q][k];
       }
     }
+    if (kAhead && bw0 + step < bw_end) load(bw0 + step);
 #pragma unroll
     for (int q = 0; q < kRows; ++q) dot[q] = warp_sum(dot[q]);
 #pragma unroll
