@@ -20,6 +20,7 @@
 #include <torch/types.h>
 
 #include "cuda/fast_div.cuh"
+#include "cuda/resident_blocks.cuh"
 #include "fmha_host.h"
 
 #include <algorithm>
@@ -313,9 +314,6 @@ at::Tensor fmha_fwd_cuda(const at::Tensor& attn_, const at::Tensor& bias_, const
   const int64_t nH = attn.size(1), N = attn.size(2);
   const int64_t rows = attn.size(0) * nH * N;
   constexpr int threads = 256;
-  // persistent warps: as many blocks as the GPU holds at once, fewer when the rows do not fill them
-  const auto* prop = at::cuda::getCurrentDeviceProperties();
-  const int64_t resident = static_cast<int64_t>(prop->multiProcessorCount) * (prop->maxThreadsPerMultiProcessor / threads);
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "fmha_swin_fwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -337,8 +335,11 @@ at::Tensor fmha_fwd_cuda(const at::Tensor& attn_, const at::Tensor& bias_, const
       dispatch_kpt(static_cast<int>(N), [&](auto kpt) {
         constexpr int KPT = decltype(kpt)::value;
         constexpr int64_t rows_per_block = threads / kWarp * kFwdRows;
-        const int64_t blocks = std::min<int64_t>((rows + rows_per_block - 1) / rows_per_block, resident);
-        fmha_fwd_kernel<scalar_t, bias_t, KPT><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+        constexpr auto kernel = fmha_fwd_kernel<scalar_t, bias_t, KPT>;
+        // persistent warps: as many blocks as the GPU holds at once (one wave), fewer when the rows do not fill them
+        const int64_t blocks =
+            std::min<int64_t>((rows + rows_per_block - 1) / rows_per_block, resident_blocks<kernel>(threads));
+        kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
             attn.const_data_ptr<scalar_t>(), bias.const_data_ptr<bias_t>(), m, out.mutable_data_ptr<scalar_t>(),
             rows, map);
         C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -22,6 +22,7 @@
 #include <torch/types.h>
 
 #include "cuda/column_sum.cuh"
+#include "cuda/resident_blocks.cuh"
 #include "layer_norm_host.h"
 
 #include <algorithm>
@@ -606,21 +607,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cuda(
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {f.y, f.mean, f.rstd};
-}
-
-// Blocks of a kernel a device keeps resident at `threads` a block (its registers decide), asked of the runtime
-// once per kernel and block size, not on every backward (the first device's answer serves every device).
-template <auto kernel>
-int64_t resident_blocks(int threads) {
-  static std::atomic<int> cached[kFusedMaxThreads / kWarp + 1] = {};
-  std::atomic<int>& c = cached[threads / kWarp];
-  int n = c.load(std::memory_order_relaxed);
-  if (n == 0) {
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
-    n = std::max(n, 1);
-    c.store(n, std::memory_order_relaxed);
-  }
-  return n * static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
 }
 
 // Rows a team takes at least before another block (and its row of partial sums) is added: the partials
