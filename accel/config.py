@@ -119,8 +119,9 @@ class ComputeConfig(_Section):
     step_graph: the training step will be one CUDA graph, captured by accel.graph_step around the user's
         step function (accel.compiler.step_graph): the model is compiled without graphs of its own (one
         capture cannot hold another's replays) and optimizers built over it get a device-tensor learning rate
-        and capturable updates at their first step. cuda backend; off by default until a GPU run shows it wins
-        (`bert_base.py --modes accel,accel-step-graph`).
+        and capturable updates at their first step. cuda backend; opt in: it takes the host's work off the
+        step, which pays only where the host is the slower side (an H200, BERT-base 32x128, 2026-11-27: host
+        7.0 -> 1.9 ms a step, the step 8.2 ms either way; `bert_base.py --modes accel,accel-step-graph`).
     inductor_options: further torch._inductor.config settings for the model's compiled graphs (torch.compile's
         `options`), e.g. {"max_autotune": True} or {"combo_kernels": True}; each name must be one of
         Inductor's. CUDA graphs stay compute.cuda_graphs' ("triton.cudagraphs" is refused here). None set
@@ -199,6 +200,8 @@ class DataLoaderConfig(_Section):
     background_prefetch: the loader's Prefetcher reads the next batch and starts its copy on a thread of its
         own (True), or in the training thread as each batch is handed over (False; accel.runtime.io.prefetcher:
         for steps bound by their host's Python work, where the thread competes with the step for the GIL).
+        An H200, BERT-base 32x128 (2026-11-27): the same 8.2 ms step either way, 0.10 ms to take a batch from
+        the thread against 0.87 ms inline, so the thread stays the default.
     """
 
     _prefix = "dataloader"

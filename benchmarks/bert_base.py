@@ -44,6 +44,9 @@ Modes (one row each, in this order, one process)
   accel-step-graph  accel's row with compute.step_graph and the step function wrapped in accel.graph_step: the
                  whole step (forward, backward, optimizer step, zero_grad) one CUDA graph replay. CUDA only;
                  only when --modes names it.
+  accel-philox-dropout  accel's row with the model's dropout layers drawing their masks with accel::dropout_mask
+                 in compiled CUDA code too (PhiloxDropout.draw_when_compiled), where accel steps aside for the
+                 dropout Inductor fuses: the A/B of that choice. Only when --modes names it.
   accel:F=V[+F=V...]  the accel row with Config fields set otherwise, e.g. accel:compute.fuse_qkv=false:
                  an A/B of one of accelerate()'s choices in the same run (any number of such rows).
 
@@ -138,7 +141,7 @@ from accel.runtime.host_memory import keep_freed_memory, return_freed_memory  # 
 from benchmarks import _report  # noqa: E402
 
 MODES = ("eager", "eager-amp", "peer", "accel-kernels", "accel-xla", "accel")
-EXTRA_MODES = ("accel-model-only", "accel-step-graph")  # run only when --modes names them
+EXTRA_MODES = ("accel-model-only", "accel-step-graph", "accel-philox-dropout")  # run only when --modes names them
 BERT_BASE_CASED = dict(vocab_size=28996, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                        intermediate_size=3072, max_position_embeddings=512, type_vocab_size=2, num_labels=2)
 QUICK_BERT = dict(BERT_BASE_CASED, vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -521,10 +524,11 @@ def _batches_as_the_peer_takes_them(ctx: Context, config, device: torch.device) 
 
 
 def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_only: bool = False,
-                step_graph: bool = False) -> Run:
+                step_graph: bool = False, philox_dropout: bool = False) -> Run:
     """accel's row; `model_only`: accelerate(model) alone, the batches taken as the peer takes them (the
     A/B of accelerate()'s loader, its Prefetcher thread included, against none); `step_graph`: the whole step
-    one CUDA graph (compute.step_graph and accel.graph_step)."""
+    one CUDA graph (compute.step_graph and accel.graph_step); `philox_dropout`: the model's dropout layers
+    draw with accel's mask op in compiled code too."""
     import accel
 
     if not hasattr(accel, "accelerate"):
@@ -550,6 +554,13 @@ def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_onl
     else:
         model, loader = accel.accelerate(copy.deepcopy(ctx.initial_model), ctx.workload.loader(), config)
         batches = endless(loader)
+    if philox_dropout:  # before the first call, which compiles
+        from accel.runtime.nn.bias_dropout_add import PhiloxDropout, _TorchDropout
+
+        for module in model.modules():
+            if isinstance(module, _TorchDropout):
+                module.__class__ = PhiloxDropout
+                module.draw_when_compiled = True
     opt = torch.optim.AdamW(model.parameters(), lr=ctx.lr)
 
     def step(batch):
@@ -569,7 +580,8 @@ def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_onl
 SETUPS = {"eager": setup_eager, "eager-amp": setup_eager_amp, "peer": setup_peer,
           "accel-kernels": setup_accel_kernels, "accel-xla": setup_accel_xla, "accel": setup_accel,
           "accel-model-only": lambda ctx: setup_accel(ctx, model_only=True),
-          "accel-step-graph": lambda ctx: setup_accel(ctx, step_graph=True)}
+          "accel-step-graph": lambda ctx: setup_accel(ctx, step_graph=True),
+          "accel-philox-dropout": lambda ctx: setup_accel(ctx, philox_dropout=True)}
 
 
 def setup(mode: str, ctx: Context) -> Run:

@@ -4,8 +4,9 @@
 // Forward: one warp per row of N <= 1024 scores, two rows at a time; the warps are persistent and load their
 // next two rows while they reduce the current ones (memory-level parallelism). Each lane keeps its ceil(N/32)
 // values in registers (KPT, a template parameter picked from N), so attn is read once and the output written
-// once; the max and the sum are fp32 (fp64 for double) warp-shuffle reductions. bias/mask rows are tiny and shared by many rows, so they stay in cache; they are
-// read in attn's 16-bit dtype when both have it, else in fp32 (no conversion kernel a call).
+// once; the max and the sum are fp32 (fp64 for double) warp-shuffle reductions. bias/mask rows are tiny and
+// shared by many rows, so they stay in cache; they are read in attn's 16-bit dtype when both have it, else in
+// fp32 (no conversion kernel a call).
 // A row of -inf (fully masked) or holding a NaN gives NaN, as torch.softmax does.
 // Backward: dx = y * (g - sum(g * y)) per row, again one warp per row. The bias gradient sums dx over
 // the B*nW windows without atomics: a block owns one (head, query row) pair and one chunk of windows,
@@ -53,9 +54,10 @@ __device__ __forceinline__ T warp_sum(T v) {
 __device__ __forceinline__ float exp_op(float v) { return expf(v); }
 __device__ __forceinline__ double exp_op(double v) { return exp(v); }
 
-// Rows each forward warp handles at once: their loads are all issued together. 8 rows lost on an H200 (benchmarks/results/kernels_ab_cuda_h200_run3.json:
-// Swin stage-1 and stage-3 fp32 0.86-0.87x two rows; the 16-bit stage-3 rows gained only from reading the
-// bias and mask without conversion kernels, which stage 1 lost again to the 8 rows).
+// Rows each forward warp handles at once: their loads are all issued together. 8 rows lost on an H200
+// (benchmarks/results/kernels_ab_cuda_h200_run3.json: Swin stage-1 and stage-3 fp32 0.86-0.87x two rows;
+// the 16-bit stage-3 rows gained only from reading the bias and mask without conversion kernels, which
+// stage 1 lost again to the 8 rows).
 constexpr int kFwdRows = 2;
 
 // Windows each backward warp handles at once. The same H200 A/B: 8 at once (KPT <= 2) with one chunk (below)
@@ -142,7 +144,8 @@ __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const bias_t*
         const int j = lane + k * kWarp;
         if (j < N) {
           const scalar_t x = kAhead ? a[q][k] : attn[row * N + j];  // long rows: read here, as used
-          v[q][k] = static_cast<acc_t>(x) + static_cast<acc_t>(b[j]) + (m != nullptr ? static_cast<acc_t>(m[j]) : acc_t(0));
+          v[q][k] = static_cast<acc_t>(x) + static_cast<acc_t>(b[j]) +
+                    (m != nullptr ? static_cast<acc_t>(m[j]) : acc_t(0));
           mx[q] = max(mx[q], v[q][k]);
         }
       }
@@ -336,7 +339,7 @@ at::Tensor fmha_fwd_cuda(const at::Tensor& attn_, const at::Tensor& bias_, const
         constexpr int KPT = decltype(kpt)::value;
         constexpr int64_t rows_per_block = threads / kWarp * kFwdRows;
         constexpr auto kernel = fmha_fwd_kernel<scalar_t, bias_t, KPT>;
-        // persistent warps: as many blocks as the GPU holds at once (one wave), fewer when the rows do not fill them
+        // persistent warps: as many blocks as the GPU holds at once (one wave), fewer where the rows are fewer
         const int64_t blocks =
             std::min<int64_t>((rows + rows_per_block - 1) / rows_per_block, resident_blocks<kernel>(threads));
         kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(

@@ -285,7 +285,8 @@ void launch_updates(at::ScalarType dt, bool compact, const std::vector<size_t>& 
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "fused_adam_step_cuda", [&] {
       const auto launch = [&](auto state) {
         using state_t = decltype(state);
-        if (variant == kPlain) fused_adam_kernel<scalar_t, state_t, N, kPlain><<<blocks, kThreads, 0, stream>>>(meta, a);
+        if (variant == kPlain)
+          fused_adam_kernel<scalar_t, state_t, N, kPlain><<<blocks, kThreads, 0, stream>>>(meta, a);
         else if (variant == kPlainCoupled)
           fused_adam_kernel<scalar_t, state_t, N, kPlainCoupled><<<blocks, kThreads, 0, stream>>>(meta, a);
         else fused_adam_kernel<scalar_t, state_t, N, kGeneral><<<blocks, kThreads, 0, stream>>>(meta, a);

@@ -228,6 +228,15 @@ def test_compiled_code_draws_with_inductor_on_cuda_only(device):
         assert not accel_ops(ops) and any("dropout" in op or "bernoulli" in op or "rand" in op for op in ops), ops
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_module_drawing_when_compiled_takes_the_mask_op_on_cuda_too(device):
+    _ops()
+    m = PhiloxDropout(0.3)
+    m.draw_when_compiled = True
+    assert accel_ops(traced_ops(m, device)) == {"accel.dropout_mask.default"}
+    assert not PhiloxDropout(0.3).draw_when_compiled  # the class default: an instance's setting is its own
+
+
 class TestPhiloxDropoutModule:
     def test_is_an_nn_dropout_with_its_attributes(self):
         m = PhiloxDropout(0.25)

@@ -211,6 +211,12 @@ def philox_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inpla
         Tensor[x.shape]: mask * x / (1 - p), mask a bool tensor with each element true with probability
         1 - p; dropped elements are multiplied by 0, so NaN and inf propagate as in torch's dropout.
     """
+    return _philox_dropout(x, p, training, inplace, draw_when_compiled=False)
+
+
+def _philox_dropout(x, p, training, inplace, draw_when_compiled: bool):
+    """philox_dropout; `draw_when_compiled`: CUDA code under torch.compile draws with accel::dropout_mask too
+    (PhiloxDropout.draw_when_compiled)."""
     if training and not inplace and not torch.compiler.is_compiling():
         # the call a model makes every step in training, checked and run in C++ (None: anything else)
         y = _build.entries("bias_dropout_add", _register).dropout(x, p)
@@ -220,7 +226,7 @@ def philox_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inpla
     if not training or p == 0.0:
         return x
     if (inplace or p == 1.0 or not isinstance(x, torch.Tensor) or not x.is_floating_point() or not use_kernel(x)
-            or _inductor_draws(x)):
+            or (_inductor_draws(x) and not draw_when_compiled)):
         return F.dropout(x, p, training, inplace)
     mask = _ops().dropout_mask(x.shape, float(p), device=x.device)
     return mask * x * (1.0 / (1.0 - p))
@@ -231,7 +237,16 @@ class PhiloxDropout(_TorchDropout):
 
     A subclass of torch's own Dropout class (imported from its defining module, which
     accel.runtime.hooks never patches), so isinstance(m, nn.Dropout) stays true.
+
+    `draw_when_compiled` (False; set it on an instance or the class): CUDA code under torch.compile draws the
+    mask with accel::dropout_mask as well, one memory-bound kernel writing a byte an element that Inductor's
+    kernel then reads, instead of stepping aside for the dropout Inductor fuses into its kernel (_inductor_draws),
+    where each element's random number costs a Philox of its own (an H100's fused LayerNorm + dropout kernels of
+    BERT-base ran at about their Philox's instruction count, not their bytes). For measuring that choice:
+    benchmarks/bert_base.py's accel-philox-dropout row.
     """
 
+    draw_when_compiled = False
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return philox_dropout(input, self.p, self.training, self.inplace)
+        return _philox_dropout(input, self.p, self.training, self.inplace, self.draw_when_compiled)
