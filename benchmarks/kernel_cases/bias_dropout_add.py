@@ -51,7 +51,8 @@ def cases(device: str, quick: bool) -> list[Case]:
                 "torch eager": lambda step=step: step(bias_dropout_add_reference),
                 "torch.compile(ref)": lambda step=step: step(compiled_ref),
             }))
-    return out + _philox_dropout_cases(device, rows_list) + _compiled_cases(device, rows_list)
+    return (out + _philox_dropout_cases(device, rows_list) + _compiled_cases(device, rows_list)
+            + _mask_source_cases(device, rows_list))
 
 
 def _compiled_cases(device: str, rows_list) -> list[Case]:
@@ -99,6 +100,33 @@ def _philox_dropout_cases(device: str, rows_list) -> list[Case]:
             }))
             out.append(Case("compiled softmax+philox_dropout fwd", label, 2 * nbytes + x.numel(),
                             lambda x=x: compiled_ours(x), {"compiled softmax+F.dropout": lambda x=x: compiled_theirs(x)}))
+    return out
+
+
+def _mask_source_cases(device: str, rows_list) -> list[Case]:
+    """A transformer's hidden dropout as BERT runs it, LayerNorm(dropout(x) + residual), compiled, forward +
+    backward: the mask from accel::dropout_mask (PhiloxDropout.draw_when_compiled: one memory-bound kernel
+    drawing 4 numbers a Philox) against nn.Dropout's, which Inductor draws inside its fused kernel (on CUDA
+    one Philox an element). What bert_base's accel-philox-dropout row measures, one layer's worth."""
+    import torch.nn.functional as F
+
+    def graph(dropout):
+        return torch.compile(lambda x, r, w, b: F.layer_norm(dropout(x) + r, (HIDDEN,), w, b), dynamic=False)
+
+    ours_dropout = PhiloxDropout(P)
+    ours_dropout.draw_when_compiled = True
+    ours, theirs = graph(ours_dropout), graph(torch.nn.Dropout(P))
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in rows_list:
+            x, r = (torch.randn(rows, HIDDEN, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+            w, b = (torch.randn(HIDDEN, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+            g = torch.randn(rows, HIDDEN, device=device, dtype=dtype)
+            nbytes = x.numel() * x.element_size()
+            label = f"{x.numel() / 2**20:g}M {str(dtype).replace('torch.', '')}"
+            # forward reads x and r, writes the output; backward reads g, writes dx and dr
+            out.append(grad_case("dropout+add+LayerNorm compiled, mask from accel, fwd+bwd", label, 5 * nbytes,
+                                 (x, r, w, b), g, ours, {"compiled nn.Dropout (Inductor's mask)": theirs}))
     return out
 
 
