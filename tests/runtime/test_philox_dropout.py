@@ -237,6 +237,23 @@ def test_a_module_drawing_when_compiled_takes_the_mask_op_on_cuda_too(device):
     assert not PhiloxDropout(0.3).draw_when_compiled  # the class default: an instance's setting is its own
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs: needs a CUDA device")
+def test_cuda_graph_replays_of_the_compiled_mask_op_draw_new_masks():
+    # torch.compile(mode="reduce-overhead") replays the graph it recorded: the op must take a new Philox offset
+    # from the generator at every replay (graph-safe state), not the recorded one
+    m = PhiloxDropout(0.25)
+    m.draw_when_compiled = True
+    fn = torch.compile(lambda x: m(x) * 2, mode="reduce-overhead", fullgraph=True)
+    x = torch.ones(256, 1024, device="cuda")
+    outs = [fn(x).clone() for _ in range(5)]  # warm-up, recording, then replays
+    masks = [o != 0 for o in outs]
+    for a, b in zip(masks, masks[1:]):
+        assert not torch.equal(a, b)
+    for o, mask in zip(outs, masks):
+        assert torch.equal(o[mask], torch.full_like(o[mask], 2 / 0.75))  # kept: x / (1 - p), doubled
+        assert abs(mask.float().mean().item() - 0.75) < 0.01  # 262144 draws: sd 0.00085
+
+
 class TestPhiloxDropoutModule:
     def test_is_an_nn_dropout_with_its_attributes(self):
         m = PhiloxDropout(0.25)
