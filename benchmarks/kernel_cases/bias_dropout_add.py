@@ -55,30 +55,6 @@ def cases(device: str, quick: bool) -> list[Case]:
             + _mask_source_cases(device, rows_list))
 
 
-def _compiled_cases(device: str, rows_list) -> list[Case]:
-    """bias_dropout_add inside a compiled graph, before the LayerNorm it feeds in a transformer, forward +
-    backward: ours (the kernel op in the graph on the CPU; on CUDA torch's dropout, which Inductor fuses)
-    against the plain reference compiled."""
-    import torch.nn.functional as F
-
-    def graph(op):
-        return torch.compile(lambda x, b, r, w: F.layer_norm(op(x * 1.5, b, r, P, True), (HIDDEN,), w), dynamic=False)
-
-    ours, theirs = graph(bias_dropout_add), graph(bias_dropout_add_reference)
-    out = []
-    for dtype in (torch.float32, torch.bfloat16):
-        for rows in rows_list:
-            x, r = (torch.randn(rows, HIDDEN, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-            b, w = (torch.randn(HIDDEN, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-            g = torch.randn(rows, HIDDEN, device=device, dtype=dtype)
-            nbytes = x.numel() * x.element_size()
-            label = f"{x.numel() / 2**20:g}M {str(dtype).replace('torch.', '')}"
-            # forward reads x and r, writes the output; backward reads g (and what it saved), writes dx, dr
-            out.append(grad_case("bias_dropout_add compiled, before a LayerNorm, fwd+bwd", label, 6 * nbytes,
-                                 (x, b, r, w), g, ours, {"compiled reference": theirs}))
-    return out
-
-
 def _softmax_dropout(dropout):
     return lambda x: dropout(x.softmax(-1), P)
 
@@ -103,11 +79,42 @@ def _philox_dropout_cases(device: str, rows_list) -> list[Case]:
     return out
 
 
+def _before_a_layer_norm(op: str, ours, theirs, peer: str, device: str, rows_list, bytes_per_x: int) -> list[Case]:
+    """Cases of compiled graphs fn(x, r, u, v) ending in a transformer's LayerNorm, forward + backward, ours
+    against `peer`: x and r [rows, HIDDEN], u and v [HIDDEN] (biases, LayerNorm weights), fp32 and bf16;
+    bytes_per_x: the ideal traffic in units of x's bytes."""
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in rows_list:
+            x, r = (torch.randn(rows, HIDDEN, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+            u, v = (torch.randn(HIDDEN, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+            g = torch.randn(rows, HIDDEN, device=device, dtype=dtype)
+            nbytes = x.numel() * x.element_size()
+            label = f"{x.numel() / 2**20:g}M {str(dtype).replace('torch.', '')}"
+            out.append(grad_case(op, label, bytes_per_x * nbytes, (x, r, u, v), g, ours, {peer: theirs}))
+    return out
+
+
+def _compiled_cases(device: str, rows_list) -> list[Case]:
+    """bias_dropout_add inside a compiled graph, before the LayerNorm it feeds in a transformer, forward +
+    backward: ours (the kernel op in the graph on the CPU; on CUDA torch's dropout, which Inductor fuses)
+    against the plain reference compiled. Traffic: the forward reads x and r and writes the output, the
+    backward reads g (and what it saved) and writes dx and dr."""
+    import torch.nn.functional as F
+
+    def graph(op):
+        return torch.compile(lambda x, r, b, w: F.layer_norm(op(x * 1.5, b, r, P, True), (HIDDEN,), w), dynamic=False)
+
+    return _before_a_layer_norm("bias_dropout_add compiled, before a LayerNorm, fwd+bwd", graph(bias_dropout_add),
+                                graph(bias_dropout_add_reference), "compiled reference", device, rows_list, 6)
+
+
 def _mask_source_cases(device: str, rows_list) -> list[Case]:
     """A transformer's hidden dropout as BERT runs it, LayerNorm(dropout(x) + residual), compiled, forward +
     backward: the mask from accel::dropout_mask (PhiloxDropout.draw_when_compiled: one memory-bound kernel
     drawing 4 numbers a Philox) against nn.Dropout's, which Inductor draws inside its fused kernel (on CUDA
-    one Philox an element). What bert_base's accel-philox-dropout row measures, one layer's worth."""
+    one Philox an element). What bert_base's accel-philox-dropout row measures, one layer's worth. Traffic:
+    the forward reads x and r and writes the output; the backward reads g and writes dx and dr."""
     import torch.nn.functional as F
 
     def graph(dropout):
@@ -115,19 +122,9 @@ def _mask_source_cases(device: str, rows_list) -> list[Case]:
 
     ours_dropout = PhiloxDropout(P)
     ours_dropout.draw_when_compiled = True
-    ours, theirs = graph(ours_dropout), graph(torch.nn.Dropout(P))
-    out = []
-    for dtype in (torch.float32, torch.bfloat16):
-        for rows in rows_list:
-            x, r = (torch.randn(rows, HIDDEN, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-            w, b = (torch.randn(HIDDEN, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-            g = torch.randn(rows, HIDDEN, device=device, dtype=dtype)
-            nbytes = x.numel() * x.element_size()
-            label = f"{x.numel() / 2**20:g}M {str(dtype).replace('torch.', '')}"
-            # forward reads x and r, writes the output; backward reads g, writes dx and dr
-            out.append(grad_case("dropout+add+LayerNorm compiled, mask from accel, fwd+bwd", label, 5 * nbytes,
-                                 (x, r, w, b), g, ours, {"compiled nn.Dropout (Inductor's mask)": theirs}))
-    return out
+    return _before_a_layer_norm("dropout+add+LayerNorm compiled, mask from accel, fwd+bwd", graph(ours_dropout),
+                                graph(torch.nn.Dropout(P)), "compiled nn.Dropout (Inductor's mask)", device,
+                                rows_list, 5)
 
 
 def host_cases(device: str) -> list[Case]:
