@@ -36,13 +36,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import _report  # noqa: E402
 from benchmarks import bert_base as bb  # noqa: E402
 
-# Kinds of kernel (or CPU op), first match wins: the name patterns of cuBLAS/CUTLASS/nvjet GEMMs, the SDPA
-# back ends, Inductor's generated kernels, the optimizers' multi-tensor kernels, copies and fills.
+# Kinds of kernel (or CPU op), first match wins: the SDPA back ends (before GEMMs: cuDNN's attention kernels
+# carry sm90_ in their names), the name patterns of cuBLAS/CUTLASS/nvjet GEMMs, the optimizers' multi-tensor
+# kernels, Inductor's generated kernels (those drawing random numbers apart: Triton's tl.rand costs a Philox an
+# element, so a dropout's forward kernel can be bound by that rather than by its bytes), copies and fills.
 KINDS = (
-    ("matmul", r"gemm|cutlass|nvjet|xmma|sm90_|sm80_|aten::(mm|addmm|bmm|baddbmm|linear)$"),
     ("attention", r"flash|fmha|attention|sdpa|efficient"),
+    ("matmul", r"gemm|cutlass|nvjet|xmma|sm90_|sm80_|aten::(mm|addmm|bmm|baddbmm|linear)$"),
     ("optimizer", r"adam|foreach|multi_tensor"),
-    ("inductor fused", r"^triton_"),  # before the next: Inductor's kernels are named after the ops they fuse
+    # before the next: Inductor's kernels are named after the ops they fuse
+    ("inductor fused, drawing", r"^triton_.*(native_dropout(?!_backward)|bernoulli|rand)"),
+    ("inductor fused", r"^triton_"),
     ("layer_norm / dropout", r"layer_norm|dropout|philox|masked_scale"),
     ("copy / fill", r"copy|memcpy|memset|fill|cat|index"),
 )
