@@ -1,0 +1,34 @@
+"""benchmarks/kernels.py and its cases (benchmarks/kernel_cases/<op>.py): the GPU runs use them, so they are
+built and run here on the CPU, where a broken case would otherwise wait for the next lent GPU to show."""
+import json
+import pkgutil
+
+import pytest
+
+from benchmarks import kernel_cases, kernels
+
+
+@pytest.mark.slow
+def test_every_op_builds_its_quick_cases():
+    ops = {info.name for info in pkgutil.iter_modules(kernel_cases.__path__)}
+    built = dict(kernels.load_cases("cpu", True, None))
+    assert set(built) == ops
+    for op, cases in built.items():
+        assert cases, op
+        for case in cases:
+            assert case.op and case.size and callable(case.ours) and case.bytes_moved >= 0, (op, case)
+            assert all(callable(fn) for fn in case.peers.values()), (op, case.op)
+
+
+@pytest.mark.slow
+def test_compiled_layer_norm_tails_run_ours_and_the_peer(tmp_path):
+    # the two cases that end in a LayerNorm (bias_dropout_add's op, and the dropout mask's source), compiled
+    assert kernels.main(["--device", "cpu", "--quick", "--ops", "bias_dropout_add", "--min-time", "0.001",
+                         "--exclude", "^(bias_dropout_add fwd|philox_dropout|compiled softmax)",
+                         "--results-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "kernels_cpu.json").read_text())["rows"]
+    assert {r["op"] for r in rows} == {"bias_dropout_add compiled, before a LayerNorm, fwd+bwd",
+                                       "dropout+add+LayerNorm compiled, mask from accel, fwd+bwd"}
+    assert len(rows) == 8  # fp32 and bf16 at the two quick sizes, each
+    for r in rows:
+        assert r["ours_ms"] > 0 and r["peer_ms"] > 0 and r["best_peer"] in r["peers_ms"]
