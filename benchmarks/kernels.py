@@ -29,26 +29,38 @@ from accel.runtime.host_memory import keep_freed_memory  # noqa: E402
 from accel.utils.dynamo import allow_recompiles  # noqa: E402
 from benchmarks import _report, kernel_cases  # noqa: E402
 
+ROUNDS = 5
 
-def time_call(fn, device: str, min_time: float = 0.2, warmup: int = 3) -> float:
-    """Median seconds per call over repeats that together take at least `min_time`."""
-    for _ in range(warmup):
-        fn()
-    _report.sync(device)
-    # calibrate how many calls fill ~min_time/5, then take 5+ batches
-    n, start = 1, time.perf_counter()
-    fn()
-    _report.sync(device)
-    once = max(time.perf_counter() - start, 1e-7)
-    n = max(1, int(min_time / 5 / once))
-    samples = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(n):
+
+def time_calls(fns: dict, device: str, min_time: float = 0.2, warmup: int = 3) -> dict:
+    """Median seconds per call of each function, over ROUNDS batches each that together take about `min_time`
+    per function. The batches alternate between the functions, round by round, so a machine that drifts
+    (clocks, a busy host: calls this small are bound by the host on a fast GPU) slows every side alike
+    instead of whichever ran later; ours and a peer running the very same code measured 0.75-1.29x apart
+    on an H100 when timed one after the other."""
+    batch = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
             fn()
         _report.sync(device)
-        samples.append((time.perf_counter() - start) / n)
-    return statistics.median(samples)
+        start = time.perf_counter()  # calibrate how many calls fill ~min_time / ROUNDS
+        fn()
+        _report.sync(device)
+        batch[name] = max(1, int(min_time / ROUNDS / max(time.perf_counter() - start, 1e-7)))
+    samples: dict = {name: [] for name in fns}
+    for _ in range(ROUNDS):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(batch[name]):
+                fn()
+            _report.sync(device)
+            samples[name].append((time.perf_counter() - start) / batch[name])
+    return {name: statistics.median(ts) for name, ts in samples.items()}
+
+
+def time_call(fn, device: str, min_time: float = 0.2, warmup: int = 3) -> float:
+    """Median seconds per call of fn alone (time_calls)."""
+    return time_calls({"fn": fn}, device, min_time, warmup)["fn"]
 
 
 def copy_bandwidth(device: str) -> float:
@@ -105,9 +117,11 @@ def main(argv=None) -> int:
                 skipped.append({"op": case.op, "size": case.size,
                                 "reason": f"time budget (--budget-s {args.budget_s:g}) spent"})
                 continue
-            ours = time_call(case.ours, args.device, args.min_time)
-            peers = {} if args.ours_only else {p: time_call(fn, args.device, args.min_time)
-                                               for p, fn in case.peers.items()}
+            # "ours" cannot clash with a peer's name: those describe torch's code
+            times = time_calls({"ours": case.ours, **({} if args.ours_only else case.peers)}, args.device,
+                               args.min_time)
+            ours = times.pop("ours")
+            peers = times
             best = min(peers, key=peers.get) if peers else None
             gbps = case.bytes_moved / ours / 1e9
             rows.append({
