@@ -8,10 +8,20 @@ import pytest
 from benchmarks import kernel_cases, kernels
 
 
+def _torchvision_loads() -> bool:
+    try:
+        import torchvision.ops  # noqa: F401
+    except (ImportError, RuntimeError):  # none, or a build that does not match this torch
+        return False
+    return True
+
+
 @pytest.mark.slow
 def test_every_op_builds_its_quick_cases():
     ops = {info.name for info in pkgutil.iter_modules(kernel_cases.__path__)}
-    built = dict(kernels.load_cases("cpu", True, None))
+    if not _torchvision_loads():  # tools/test_torch.sh under a torch whose torchvision is not on PyPI
+        ops -= {"dcn_v2", "nms"}  # their peer is torchvision
+    built = dict(kernels.load_cases("cpu", True, ops))
     assert set(built) == ops
     for op, cases in built.items():
         assert cases, op
