@@ -155,12 +155,9 @@ def _apply_kernels(model: nn.Module, kernels: frozenset[str]) -> None:
             if type(module) is _TorchLayerNorm:
                 module.__class__ = FusedLayerNorm  # same attributes and parameters: only forward differs
     if policy.DROPOUT in kernels:
-        from accel.runtime.nn.bias_dropout_add import PhiloxDropout, _TorchDropout
+        from accel.runtime.nn.bias_dropout_add import swap_in_philox_dropout
 
-        # this model's layers only (no process-wide hook): other models in the process keep torch's dropout
-        for module in model.modules():
-            if type(module) is _TorchDropout:
-                module.__class__ = PhiloxDropout  # same attributes: only where the mask comes from differs
+        swap_in_philox_dropout(model)  # other models in the process keep torch's dropout
     if policy.ADAM in kernels:
         hooks.enable_fused_adam()
 

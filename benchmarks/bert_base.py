@@ -555,12 +555,9 @@ def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_onl
         model, loader = accel.accelerate(copy.deepcopy(ctx.initial_model), ctx.workload.loader(), config)
         batches = endless(loader)
     if philox_dropout:  # before the first call, which compiles
-        from accel.runtime.nn.bias_dropout_add import PhiloxDropout, _TorchDropout
+        from accel.runtime.nn.bias_dropout_add import swap_in_philox_dropout
 
-        for module in model.modules():
-            if isinstance(module, _TorchDropout):
-                module.__class__ = PhiloxDropout
-                module.draw_when_compiled = True
+        swap_in_philox_dropout(model, draw_when_compiled=True)
     opt = torch.optim.AdamW(model.parameters(), lr=ctx.lr)
 
     def step(batch):

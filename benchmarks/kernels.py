@@ -58,17 +58,12 @@ def time_calls(fns: dict, device: str, min_time: float = 0.2, warmup: int = 3) -
     return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
-def time_call(fn, device: str, min_time: float = 0.2, warmup: int = 3) -> float:
-    """Median seconds per call of fn alone (time_calls)."""
-    return time_calls({"fn": fn}, device, min_time, warmup)["fn"]
-
-
 def copy_bandwidth(device: str) -> float:
     """Bytes/s of a large device-to-device copy (read + write counted), the ceiling for memory-bound ops."""
     n = (1 << 28) if device.startswith("cuda") else (1 << 26)
     src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    t = time_call(lambda: dst.copy_(src), device)
+    t = time_calls({"copy": lambda: dst.copy_(src)}, device)["copy"]
     return 2 * n / t
 
 

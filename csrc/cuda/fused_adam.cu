@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
           if (k + blockDim.x < packs) load(k + blockDim.x);
           update(k * kVec, pr, gr, mr, vr, xr);
         }
-      } else {
+      } else {  // loads of its own, not `load` above: through it the general fp32 kernel spilled 8 bytes
         for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
           const int64_t i = k * kVec;
           scalar_t pr[kVec], gr[kVec];

@@ -12,7 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accel.runtime.nn.bias_dropout_add import PhiloxDropout, _ops, bias_dropout_add, philox_dropout
+from accel.runtime.nn.bias_dropout_add import (
+    PhiloxDropout,
+    _ops,
+    bias_dropout_add,
+    philox_dropout,
+    swap_in_philox_dropout,
+)
 
 from ._autograd_probe import ACCEL_RUNTIME, LIBRARY, python_calls, ran
 from ._params import DEVICES, DTYPES, tol
@@ -252,6 +258,16 @@ def test_cuda_graph_replays_of_the_compiled_mask_op_draw_new_masks():
     for o, mask in zip(outs, masks):
         torch.testing.assert_close(o[mask], torch.full_like(o[mask], 2 / 0.75))  # kept: x / (1 - p), doubled
         assert abs(mask.float().mean().item() - 0.75) < 0.01  # 262144 draws: sd 0.00085
+
+
+def test_swap_in_philox_dropout_changes_this_model_only():
+    model, other = (nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.2), nn.Sequential(nn.Dropout(0.4))) for _ in range(2))
+    swap_in_philox_dropout(model)
+    assert [type(m) for m in model.modules() if isinstance(m, nn.Dropout)] == [PhiloxDropout] * 2
+    assert model[1].p == 0.2 and model[2][0].p == 0.4 and not model[1].draw_when_compiled
+    assert all(type(m) is not PhiloxDropout for m in other.modules())
+    swap_in_philox_dropout(model, draw_when_compiled=True)  # layers swapped before too
+    assert model[1].draw_when_compiled and model[2][0].draw_when_compiled
 
 
 class TestPhiloxDropoutModule:

@@ -41,7 +41,7 @@ from accel.runtime import _build
 from accel.runtime.nn._common import check_same_device, check_tensor, use_kernel
 
 __all__ = ["bias_dropout_add", "dropout_add_fused_train", "dropout_add_fused", "bias_dropout_add_reference",
-           "philox_dropout", "PhiloxDropout"]
+           "philox_dropout", "PhiloxDropout", "swap_in_philox_dropout"]
 
 
 def bias_dropout_add_reference(x, bias, residual, prob: float, training: bool):
@@ -250,3 +250,15 @@ class PhiloxDropout(_TorchDropout):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return _philox_dropout(input, self.p, self.training, self.inplace, self.draw_when_compiled)
+
+
+def swap_in_philox_dropout(model: torch.nn.Module, draw_when_compiled: bool = False) -> None:
+    """Makes the torch nn.Dropout layers of `model` PhiloxDropout (same attributes: only where the mask comes
+    from differs), this model's layers only (no process-wide hook); `draw_when_compiled` sets that attribute
+    on every PhiloxDropout layer of the model."""
+    for module in model.modules():
+        if type(module) is _TorchDropout:
+            module.__class__ = PhiloxDropout
+        if draw_when_compiled and type(module) is PhiloxDropout:
+            module.draw_when_compiled = True
+
