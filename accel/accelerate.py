@@ -144,6 +144,30 @@ class _AutocastForward:
             return type(self.module).forward(self.module, *args, **kwargs)
 
 
+def _onednn_products(library: str, backend: str) -> bool:
+    """Whether the model's large fp32 products go to oneDNN (compute.cpu_gemm; "auto": where the probe found it
+    faster on this CPU; accel.runtime.nn.onednn_mm)."""
+    if backend != "cpu" or library == "torch":
+        return False
+    from accel.runtime.nn.onednn_mm import onednn_available, onednn_wins
+
+    if library == "onednn":
+        if not onednn_available():
+            raise ValueError("compute.cpu_gemm: 'onednn' asked for, but this torch build has no oneDNN linear op")
+        return True
+    return onednn_wins()
+
+
+def _swap_in_onednn_linear(model: nn.Module) -> None:
+    from torch.nn.modules.linear import Linear
+
+    from accel.runtime.nn.onednn_mm import OneDNNLinear
+
+    for module in model.modules():
+        if type(module) is Linear:
+            module.__class__ = OneDNNLinear  # same attributes and parameters: only forward differs
+
+
 def _apply_kernels(model: nn.Module, kernels: frozenset[str]) -> None:
     from accel.runtime import hooks, policy
 
@@ -265,6 +289,7 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         config.dist.sizes(distributed.start_process_group(backend))
     device = _device(backend)
     dtype = _autocast_dtype(config, backend)
+    onednn_products = _onednn_products(config.compute.cpu_gemm, backend)
     compiled = config.compute.compile and backend != "xla"
 
     if config.memory.keep_freed_memory and _runs_on_cpu(backend):
@@ -272,6 +297,8 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
     model = model.to(device)
     # before any wrapper hides the model's class
     drop_full_masks = config.dataloader.drop_full_masks and dataloader is not None and reads_no_mask_as_full(model)
+    if onednn_products:  # eager calls; compiled graphs get a graph pass (below)
+        _swap_in_onednn_linear(model)
     if config.compute.kernels:
         from accel.runtime.policy import helpful_kernels
 
@@ -305,7 +332,12 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         n_shapes = len(config.dataloader.bucket_lengths() or ()) or 1  # packed or unbucketed: one length
         # a whole-step graph (compute.step_graph) cannot hold the model's own graph replays
         cuda_graphs = config.compute.cuda_graphs and not config.compute.step_graph
-        _compile(model, backend, cuda_graphs, n_shapes, config.compute.inductor_options)
+        inductor_options = dict(config.compute.inductor_options)
+        if onednn_products:  # eager calls went to OneDNNLinear above; a compiled graph's products, here
+            from accel.compiler.cpu_gemm import SwapCpuGemms
+
+            inductor_options["post_grad_custom_post_pass"] = SwapCpuGemms()
+        _compile(model, backend, cuda_graphs, n_shapes, inductor_options)
     from accel.compiler.optimizer import adopt_optimizers
 
     adopt_optimizers(model, compile_steps=compiled, reduce_gradients=distributed.reduces_gradients_on_step(model),

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 BACKENDS = ("auto", "xla", "cuda", "cpu")
+CPU_GEMM_LIBRARIES = ("auto", "onednn", "torch")
 DEFAULT_PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "labels": -100}
 
 
@@ -122,6 +123,13 @@ class ComputeConfig(_Section):
         and capturable updates at their first step. cuda backend; opt in: it takes the host's work off the
         step, which pays only where the host is the slower side (an H200, BERT-base 32x128, 2026-11-27: host
         7.0 -> 1.9 ms a step, the step 8.2 ms either way; `bert_base.py --modes accel,accel-step-graph`).
+    cpu_gemm: which library computes a model's large fp32 matrix products on the CPU (cpu backend; eager
+        nn.Linear layers and compiled graphs alike: accel.runtime.nn.onednn_mm, accel.compiler.cpu_gemm):
+        "auto" (oneDNN where a probe run once per process finds it at least 1.15x faster than torch's BLAS on
+        this CPU, else torch's), "onednn" or "torch". MKL, torch's BLAS on x86, runs its AVX-512 code on Intel
+        CPUs only: on a 2-core AMD EPYC with AVX-512 (Zen 5) oneDNN computed BERT-base's fp32 products 2.0-2.4x
+        as fast, and a compiled fp32 BERT-base 8x128 training step took 1.55 s against 2.59 s. bf16/fp16
+        products are oneDNN's already.
     inductor_options: further torch._inductor.config settings for the model's compiled graphs (torch.compile's
         `options`), e.g. {"max_autotune": True} or {"combo_kernels": True}; each name must be one of
         Inductor's. CUDA graphs stay compute.cuda_graphs' ("triton.cudagraphs" is refused here). None set
@@ -140,12 +148,16 @@ class ComputeConfig(_Section):
     first_token_only: bool = True
     fuse_qkv: bool = False
     step_graph: bool = False
+    cpu_gemm: str = "auto"
     inductor_options: dict = field(default_factory=dict)
 
     def _check(self) -> None:
         for f in fields(self):
-            if f.name != "inductor_options":
+            if f.name not in ("cpu_gemm", "inductor_options"):
                 _check_bool(self._name(f.name), getattr(self, f.name))
+        if self.cpu_gemm not in CPU_GEMM_LIBRARIES:
+            raise ValueError(f"compute.cpu_gemm: expected one of {', '.join(map(repr, CPU_GEMM_LIBRARIES))}, "
+                             f"got {self.cpu_gemm!r}")
         _check_inductor_options("compute.inductor_options", self.inductor_options)
         if self.fp16 and self.bf16:
             raise ValueError("compute.fp16 and compute.bf16 are exclusive: set at most one")

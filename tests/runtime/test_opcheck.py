@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from accel.runtime import _build
+from accel.runtime.nn.onednn_mm import onednn_available
 from tests.runtime._params import DEVICES
 
 # test_aot_dispatch_dynamic includes test_faketensor's checks, but failing them separately says which.
@@ -33,9 +34,12 @@ EXPECTED_OPS = {
     "nms", "nms_soft",
     "quick_gelu_fwd", "quick_gelu_bwd",
     "window_process_partition", "window_process_reverse",
+    "onednn_mm",
 }
 
 PACKAGES = ("accel.runtime.nn", "accel.runtime.optim")
+# Ops defined in Python (torch.library.custom_op) on top of torch's own kernels: no csrc of their own.
+PYTHON_OPS = ("accel.runtime.nn.onednn_mm",)
 
 
 def _op_libraries() -> list[str]:
@@ -58,6 +62,8 @@ def _load_all() -> None:
             break
         else:
             raise AssertionError(f"csrc/cpu/{lib}.cpp has no Python module in {' or '.join(PACKAGES)}")
+    for name in PYTHON_OPS:
+        importlib.import_module(name)
 
 
 def _registered_accel_ops() -> set[str]:
@@ -219,6 +225,12 @@ def _dcn_v2_fwd(device, dtype, gen, *, masked=True, bias=True, groups=1, offset_
     return x, offset, weight, b, mask, [stride, stride], [1, 1], [1, 1]
 
 
+def _onednn_mm(device, dtype, gen, *, bias=True, transposed=False):
+    a = _randn((6, 5), device, dtype, gen, requires_grad=True)
+    b = _randn((4, 5), device, dtype, gen).t() if transposed else _randn((5, 4), device, dtype, gen)
+    return a, b.requires_grad_(), _randn((4,), device, dtype, gen, requires_grad=True) if bias else None
+
+
 def _dcn_v2_bwd(device, dtype, gen, *, masked=True):
     x, offset, weight, b, mask, stride, padding, dilation = _dcn_v2_fwd(device, dtype, gen, masked=masked)
     x, offset, weight = x.detach(), offset.detach(), weight.detach()
@@ -231,6 +243,7 @@ def _dcn_v2_bwd(device, dtype, gen, *, masked=True):
 
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
+NEEDS_ONEDNN = (pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear op"),)
 ALL = (F32, F64, BF16)
 
 
@@ -243,6 +256,7 @@ class Case:
     kwargs: dict = field(default_factory=dict)
     # pytest.mark.xfail(reason=<the cause>, strict=True) while a found failure awaits its fix
     marks: tuple = ()
+    cpu_only: bool = False  # an op with no CUDA kernel
 
 
 CASES = [
@@ -292,6 +306,9 @@ CASES = [
     Case("dcn_v2_fwd", "groups_stride", _dcn_v2_fwd, (F32,), {"groups": 2, "offset_groups": 2, "stride": 2}),
     Case("dcn_v2_bwd", "modulated", _dcn_v2_bwd, (F32, F64)),
     Case("dcn_v2_bwd", "v1", _dcn_v2_bwd, (F32,), {"masked": False}),
+    Case("onednn_mm", "bias", _onednn_mm, (F32,), marks=NEEDS_ONEDNN, cpu_only=True),
+    Case("onednn_mm", "weight_transposed_no_bias", _onednn_mm, (F32,), {"bias": False, "transposed": True},
+         marks=NEEDS_ONEDNN, cpu_only=True),
 ]
 
 
@@ -299,6 +316,8 @@ def _params():
     out = []
     for device in DEVICES:
         for case in CASES:
+            if case.cpu_only and device.values[0] != "cpu":
+                continue
             for dtype in case.dtypes:
                 dt = str(dtype).replace("torch.", "")
                 out.append(pytest.param(device.values[0], case, dtype, id=f"{case.op}-{case.name}-{dt}-{device.id}",
