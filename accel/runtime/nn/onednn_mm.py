@@ -2,9 +2,10 @@
 
 torch computes an fp32 `mm`/`addmm`/`linear` on x86 CPUs with MKL, which runs its AVX-512 code on Intel CPUs
 only. On an AMD EPYC with AVX-512 (Zen 5, 2 cores, torch 2.9, 2026-11-27) MKL ran BERT-base's products at
-~210 GFLOP/s, where oneDNN -- which torch ships too, and uses for bf16 -- ran the same fp32 products, forward and
-both backward ones, at 375-500 GFLOP/s (2.0-2.4x), with fp32 rounding. oneDNN costs ~10 us more a call, so it
-loses on small products (8x2x768 0.3x, 64^3 0.4x, 128^3 1.0x, 256^3 1.5x).
+~210 GFLOP/s, where oneDNN -- which torch ships too, and uses for bf16 -- ran the same fp32 products, forward
+and both backward ones, at 360-510 GFLOP/s (1.7-2.4x; benchmarks/kernels.py --ops onednn_mm), with fp32
+rounding. oneDNN costs ~10 us more a call, so it loses on small products (8x2x768 0.3x, 64^3 0.4x, 128^3
+1.0x, 256^3 1.5x).
 
 - `onednn_mm(a, b, bias=None)` (the op `accel::onednn_mm`, differentiable) computes a @ b + bias by oneDNN;
   `onednn_mm_reference` is the plain PyTorch product it must equal up to fp32 rounding.

@@ -1,0 +1,53 @@
+"""accel::onednn_mm against torch's own fp32 products (MKL on x86) on BERT-base's Linear layers: the forward
+product and both backward ones (the input's gradient, the weight's), then a compiled Linear + GELU + Linear
+forward + backward with and without accel.compiler.cpu_gemm's pass. CPU only: there is no CUDA op."""
+import torch
+import torch.nn.functional as F
+
+from accel.compiler.cpu_gemm import SwapCpuGemms
+from accel.runtime.nn.onednn_mm import onednn_available, onednn_mm
+
+from . import Case, grad_case
+
+# (in, out) of BERT-base's Linear layers: attention projections, intermediate, output
+_LINEARS = ((768, 768), (768, 3072), (3072, 768))
+
+
+def cases(device: str, quick: bool) -> list[Case]:
+    if device != "cpu" or not onednn_available():
+        return []
+    out = []
+    for tokens in ((128,) if quick else (1024, 4096)):
+        for k, n in _LINEARS:
+            x = torch.randn(tokens, k)
+            w = torch.randn(n, k)
+            dy = torch.randn(tokens, n)
+            size = f"{tokens}x{k}->{n}"
+            nbytes = 4 * (tokens * k + k * n + tokens * n)  # each product reads two operands, writes one
+            out.append(Case("fp32 linear fwd", size, nbytes, lambda x=x, w=w: onednn_mm(x, w.t()),
+                            {"torch F.linear": lambda x=x, w=w: F.linear(x, w)}, memory_bound=False))
+            out.append(Case("fp32 linear grad input", size, nbytes, lambda dy=dy, w=w: onednn_mm(dy, w),
+                            {"torch mm": lambda dy=dy, w=w: torch.mm(dy, w)}, memory_bound=False))
+            # the weight's gradient in the weight's layout, as OneDNNLinear's backward computes it
+            out.append(Case("fp32 linear grad weight", size, nbytes, lambda dy=dy, x=x: onednn_mm(dy.t(), x),
+                            {"torch mm": lambda dy=dy, x=x: torch.mm(dy.t(), x)}, memory_bound=False))
+    return out + _compiled_cases(quick)
+
+
+def _mlp(x, w1, b1, w2, b2):
+    return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
+
+
+def _compiled_cases(quick: bool) -> list[Case]:
+    """BERT's feed-forward block compiled, forward + backward: with the pass accelerate() installs where oneDNN
+    wins, against the same graph with torch's products."""
+    ours = torch.compile(_mlp, dynamic=False, options={"post_grad_custom_post_pass": SwapCpuGemms()})
+    peer = torch.compile(_mlp, dynamic=False)
+    out = []
+    for tokens in ((128,) if quick else (1024,)):
+        params = [torch.randn(3072, 768) * 0.02, torch.zeros(3072), torch.randn(768, 3072) * 0.02, torch.zeros(768)]
+        inputs = tuple(t.requires_grad_() for t in (torch.randn(tokens, 768), *params))
+        g = torch.randn(tokens, 768)
+        out.append(grad_case("fp32 Linear+GELU+Linear compiled, fwd+bwd", f"{tokens}x768", 0, inputs, g, ours,
+                             {"compiled, torch's products": peer}))
+    return out
