@@ -27,8 +27,9 @@ Modes (one row each, in this order, one process)
                  on CUDA), torch.compile(opt.step) of AdamW(fused=True where supported, lr as a tensor so
                  a new lr does not recompile), bf16 autocast where native else fp32; per-batch padding on
                  the guide workload, as the guide does.
-  accel-kernels  accel.runtime.hooks (fused LayerNorm, Philox dropout and Adam) on before the model is
-                 built, eager, the precision of eager-amp (bf16 where native, else fp32).
+  accel-kernels  accel.runtime.hooks (fused LayerNorm, Philox dropout and Adam; oneDNN Linear where it wins
+                 on this CPU) on before the model is built, eager, the precision of eager-amp (bf16 where
+                 native, else fp32).
   accel-xla      the guide's XLA port (MpDeviceLoader, syncfree.AdamW, xm.optimizer_step) on torch_xla's
                  device; skipped where torch_xla is not installed.
   accel          accel.accelerate(model, loader, config) with compute.bf16 (accelerate stays fp32 on a CPU
@@ -478,6 +479,8 @@ def setup_accel_kernels(ctx: Context) -> Run:
     # The hooks act when modules and optimizers are constructed: build both while they are on.
     hooks.enable_fused_layer_norm()
     hooks.enable_philox_dropout()
+    # where oneDNN beats torch's BLAS on this CPU (fp32 products only; on a GPU it would only add a check a call)
+    linear = ctx.device.type == "cpu" and hooks.enable_onednn_linear()
     hooks.enable_fused_adam()
     try:
         model = BertForSequenceClassification(ctx.initial_model.config).train()
@@ -485,7 +488,7 @@ def setup_accel_kernels(ctx: Context) -> Run:
         run = _eager_run(ctx, fast_dtype(ctx.device), model)
     finally:
         restore_hooks()
-    run.precision += ", fused LayerNorm + Philox dropout + Adam"
+    run.precision += ", fused LayerNorm + Philox dropout + Adam" + (" + oneDNN Linear" if linear else "")
     return run
 
 
@@ -570,7 +573,10 @@ def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_onl
     if step_graph:
         step = accel.graph_step(step)
     device = next(model.parameters()).device  # the backend accelerate() chose; its batches arrive there
-    precision = "compute.bf16: " + ("bf16 autocast" if native_bf16(device) else "fp32 here (bf16 not native)")
+    if not config.compute.bf16:
+        precision = "fp32 (compute.bf16 off)"
+    else:
+        precision = "compute.bf16: " + ("bf16 autocast" if native_bf16(device) else "fp32 here (bf16 not native)")
     return Run(step, batches, device, precision + (", packed rows" if packed else ""), packed=packed)
 
 
@@ -726,6 +732,7 @@ def restore_hooks() -> None:
 
     hooks.disable_fused_layer_norm()
     hooks.disable_philox_dropout()
+    hooks.disable_onednn_linear()
     hooks.disable_fused_adam()
 
 

@@ -1,8 +1,9 @@
-"""Swap torch's LayerNorm, Dropout and Adam/AdamW for accel's in code you do not control.
+"""Swap torch's LayerNorm, Dropout, Linear and Adam/AdamW for accel's in code you do not control.
 
     from accel.runtime import hooks
     hooks.enable_fused_layer_norm()   # nn.LayerNorm(...) now builds FusedLayerNorm
     hooks.enable_philox_dropout()     # nn.Dropout(...) now builds PhiloxDropout
+    hooks.enable_onednn_linear()      # nn.Linear(...) now builds OneDNNLinear, where oneDNN wins on this CPU
     hooks.enable_fused_adam()         # torch.optim.Adam/AdamW(...) now build FusedAdam/FusedAdamW
 
 Model code such as transformers' BertLayer looks `nn.LayerNorm` up on the torch.nn module when it
@@ -11,7 +12,7 @@ built keep their class). Each enable_* is idempotent and has a disable_* counter
 back the exact objects found before the first enable.
 
 What is patched, and what deliberately is not:
-- torch.nn.LayerNorm and torch.nn.modules.LayerNorm (Dropout likewise), but not
+- torch.nn.LayerNorm and torch.nn.modules.LayerNorm (Dropout and Linear likewise), but not
   torch.nn.modules.normalization.LayerNorm (torch.nn.modules.dropout.Dropout): pickle finds a class
   through its defining module and refuses to save instances if that name points elsewhere, so
   torch.save of a model holding an original LayerNorm keeps working while the hook is on.
@@ -37,6 +38,10 @@ def _layer_norm_targets():
 
 def _dropout_targets():
     return [(torch.nn, "Dropout"), (torch.nn.modules, "Dropout")]
+
+
+def _linear_targets():
+    return [(torch.nn, "Linear"), (torch.nn.modules, "Linear")]
 
 
 def _adam_targets():
@@ -96,6 +101,36 @@ def disable_philox_dropout() -> None:
 def philox_dropout_enabled() -> bool:
     with _lock:
         return (torch.nn, "Dropout") in _originals
+
+
+def enable_onednn_linear(where_faster: bool = True) -> bool:
+    """Make nn.Linear construct accel's OneDNNLinear (same constructor, parameters, state_dict), whose large fp32
+    CPU products run on oneDNN (accel.runtime.nn.onednn_mm). With where_faster (the default) only where the
+    once-per-process probe found oneDNN faster than torch's BLAS on this CPU; elsewhere nothing changes.
+
+    Returns:
+        whether the hook is on.
+    """
+    from accel.runtime.nn.onednn_mm import OneDNNLinear, onednn_available, onednn_wins
+
+    if not (onednn_wins() if where_faster else onednn_available()):
+        return onednn_linear_enabled()
+    with _lock:
+        for namespace, name in _linear_targets():
+            _patch(namespace, name, OneDNNLinear)
+    return True
+
+
+def disable_onednn_linear() -> None:
+    """Put torch's own nn.Linear back (a no-op when the hook is off)."""
+    with _lock:
+        for namespace, name in _linear_targets():
+            _restore(namespace, name)
+
+
+def onednn_linear_enabled() -> bool:
+    with _lock:
+        return (torch.nn, "Linear") in _originals
 
 
 def enable_fused_adam() -> None:

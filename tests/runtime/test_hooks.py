@@ -5,8 +5,10 @@ import torch
 from torch import nn
 
 from accel.runtime import hooks
+from accel.runtime.nn import onednn_mm
 from accel.runtime.nn.bias_dropout_add import PhiloxDropout
 from accel.runtime.nn.layer_norm import FusedLayerNorm
+from accel.runtime.nn.onednn_mm import OneDNNLinear
 
 from ._params import tol
 
@@ -15,6 +17,7 @@ TORCH_LAYER_NORM = torch.nn.LayerNorm
 TORCH_DROPOUT = torch.nn.Dropout
 TORCH_ADAM = torch.optim.Adam
 TORCH_ADAMW = torch.optim.AdamW
+TORCH_LINEAR = torch.nn.Linear
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +29,9 @@ def _always_restore():
         hooks.disable_fused_layer_norm()
         hooks.disable_philox_dropout()
         hooks.disable_fused_adam()
+        hooks.disable_onednn_linear()
         assert torch.nn.LayerNorm is TORCH_LAYER_NORM and torch.nn.Dropout is TORCH_DROPOUT
+        assert torch.nn.Linear is TORCH_LINEAR
         assert torch.optim.Adam is TORCH_ADAM and torch.optim.AdamW is TORCH_ADAMW
 
 
@@ -62,6 +67,20 @@ def test_dropout_hook_swaps_and_restores_the_class():
     assert not hooks.philox_dropout_enabled()
     assert torch.nn.Dropout is TORCH_DROPOUT and torch.nn.modules.Dropout is TORCH_DROPOUT
     assert type(nn.Dropout(0.3)) is TORCH_DROPOUT
+
+
+@pytest.mark.skipif(not onednn_mm.onednn_available(), reason="this torch build has no oneDNN linear op")
+@pytest.mark.parametrize("speedup, where_faster, on", [(2.0, True, True), (1.0, True, False), (1.0, False, True)],
+                         ids=["faster", "slower", "slower_but_asked"])
+def test_linear_hook_follows_the_probe_and_restores_the_class(monkeypatch, speedup, where_faster, on):
+    monkeypatch.setattr(onednn_mm, "onednn_speedup", lambda: speedup)
+    assert hooks.enable_onednn_linear(where_faster) is on and hooks.onednn_linear_enabled() is on
+    assert (torch.nn.Linear is OneDNNLinear) is on and (torch.nn.modules.Linear is OneDNNLinear) is on
+    assert torch.nn.modules.linear.Linear is TORCH_LINEAR  # pickling torch's own modules still works
+    m = nn.Linear(4, 3, bias=False)
+    assert (type(m) is OneDNNLinear) is on and isinstance(m, TORCH_LINEAR) and m.bias is None
+    hooks.disable_onednn_linear()
+    assert not hooks.onednn_linear_enabled() and type(nn.Linear(4, 3)) is TORCH_LINEAR
 
 
 def test_enable_twice_and_disable_twice_are_harmless():
