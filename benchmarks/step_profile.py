@@ -42,7 +42,8 @@ from benchmarks import bert_base as bb  # noqa: E402
 # element, so a dropout's forward kernel can be bound by that rather than by its bytes), copies and fills.
 KINDS = (
     ("attention", r"flash|fmha|attention|sdpa|efficient"),
-    ("matmul", r"gemm|cutlass|nvjet|xmma|sm90_|sm80_|aten::(mm|addmm|bmm|baddbmm|linear)$"),
+    # oneDNN's fp32 products on the CPU: accel::onednn_mm around mkldnn::_linear_pointwise (compute.cpu_gemm)
+    ("matmul", r"gemm|cutlass|nvjet|xmma|sm90_|sm80_|aten::(mm|addmm|bmm|baddbmm|linear)$|_linear_pointwise|onednn_mm"),
     ("optimizer", r"adam|foreach|multi_tensor"),
     # before the next: Inductor's kernels are named after the ops they fuse
     ("inductor fused, drawing", r"^triton_.*(native_dropout(?!_backward)|bernoulli|rand)"),

@@ -13,6 +13,8 @@ from benchmarks import step_profile
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
     ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "matmul"),
     ("aten::addmm", "matmul"),
+    ("mkldnn::_linear_pointwise", "matmul"),
+    ("accel::onednn_mm", "matmul"),
     ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", "attention"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
     ("triton_per_fused_native_layer_norm_7", "inductor fused"),
