@@ -45,6 +45,19 @@ def _swappable(node: torch.fx.Node) -> bool:
     return size is not None and _onednn.large(*size)
 
 
+def _input_layouts(a: torch.fx.Node, b: torch.fx.Node, bias) -> tuple:
+    """The example inputs whose strides Inductor gives the op (its eager_input_vals): a row-major, b and bias as
+    they are. oneDNN's linear copies a transposed left operand itself, single-threaded and slowly (6 ms for the
+    [3072, 1024] one of BERT's weight gradients); asked for row-major, Inductor writes it so in the kernel that
+    produces it (a GELU backward, say), or copies it with a tiled, vectorised loop."""
+    val = a.meta["val"]
+    if not (val.stride(1) == 1 and val.stride(0) == val.shape[1]):
+        with val.fake_mode:
+            val = torch.empty(val.shape, dtype=val.dtype, device=val.device)
+    bias_val = bias.meta["val"] if isinstance(bias, torch.fx.Node) else None
+    return (val, b.meta["val"], bias_val), {}
+
+
 class SwapCpuGemms(CustomGraphPass):
     """Inductor post-grad pass: large fp32 CPU mm/addmm nodes become accel::onednn_mm. Whoever installs it has
     decided that oneDNN wins here (accelerate(): compute.cpu_gemm and the probe)."""
@@ -60,6 +73,7 @@ class SwapCpuGemms(CustomGraphPass):
             with graph.inserting_before(node):
                 swapped = graph.call_function(torch.ops.accel.onednn_mm.default, (a, b, bias))
             swapped.meta.update(node.meta)
+            swapped.meta["eager_input_vals"] = _input_layouts(a, b, bias)
             node.replace_all_uses_with(swapped)
             graph.erase_node(node)
 
