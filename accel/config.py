@@ -128,7 +128,7 @@ class ComputeConfig(_Section):
         "auto" (oneDNN where a probe run once per process finds it at least 1.15x faster than torch's BLAS on
         this CPU, else torch's), "onednn" or "torch". MKL, torch's BLAS on x86, runs its AVX-512 code on Intel
         CPUs only: on a 2-core AMD EPYC with AVX-512 (Zen 5) oneDNN computed BERT-base's fp32 products 1.7-2.4x
-        as fast, and a compiled fp32 BERT-base 8x128 training step took 1.41 s against 2.55 s. Where the
+        as fast, and a compiled fp32 BERT-base 8x128 training step took 1.34 s against 2.37 s. Where the
         probe lands near the threshold, runs in separate processes may choose differently (rounding only): set
         "onednn" or "torch" for runs that must repeat bit for bit. bf16/fp16 products are oneDNN's already.
     inductor_options: further torch._inductor.config settings for the model's compiled graphs (torch.compile's

@@ -5,8 +5,8 @@ backward. On CPUs where oneDNN computes fp32 products faster (accel.runtime.nn.o
 EPYC with AVX-512, whose AVX-512 MKL does not use), `SwapCpuGemms`, a post-grad graph pass that accelerate()
 gives Inductor on the CPU, replaces the large fp32 ones with `accel::onednn_mm`. The products and their
 operands are unchanged; only the library that sums them, and so their rounding, differs. BERT-base 8x128
-fp32 training through accelerate() on that CPU: 1.41 s a step against 2.55 s with torch's products (2.20x
-against 1.22x eager fp32; benchmarks/results/bert_base_cpu_fp32_simulated.json).
+fp32 training through accelerate() on that CPU: 1.34 s a step against 2.37 s with torch's products (2.35x
+against 1.33x eager fp32; benchmarks/results/bert_base_cpu_fp32_simulated.json).
 
 accelerate() installs the pass where compute.cpu_gemm asks for oneDNN: "onednn", or "auto" (the default) where
 the once-per-process probe (accel.runtime.nn.onednn_mm.onednn_wins) found it faster on this CPU.

@@ -141,3 +141,15 @@ def test_linear_keeps_nn_linear_state_and_pickles():
     clone = pickle.loads(pickle.dumps(ours))
     assert type(clone) is OneDNNLinear
     torch.testing.assert_close(clone.weight, plain.weight)
+
+
+def test_second_derivatives_match_nn_linear():
+    """onednn_mm's backward is made of differentiable ops (itself, mm, sum): gradient-penalty training works."""
+    plain, ours = _pair(192, 256)
+    x = torch.randn(128, 192, requires_grad=True)  # large: oneDNN forward and backward
+    results = []
+    for m in (plain, ours):
+        (g,) = torch.autograd.grad(torch.tanh(m(x)).sum(), x, create_graph=True)
+        results.append((g, *torch.autograd.grad(g.square().sum(), (m.weight, m.bias, x))))
+    for ours_t, plain_t in zip(results[1], results[0]):
+        torch.testing.assert_close(ours_t, plain_t, rtol=1e-4, atol=1e-4)
