@@ -577,6 +577,10 @@ def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_onl
         precision = "fp32 (compute.bf16 off)"
     else:
         precision = "compute.bf16: " + ("bf16 autocast" if native_bf16(device) else "fp32 here (bf16 not native)")
+    from accel.runtime.nn.onednn_mm import OneDNNLinear
+
+    if any(isinstance(m, OneDNNLinear) for m in model.modules()):  # compute.cpu_gemm chose oneDNN here
+        precision += ", fp32 products on oneDNN"
     return Run(step, batches, device, precision + (", packed rows" if packed else ""), packed=packed)
 
 
