@@ -155,7 +155,7 @@ def _onednn_products(library: str, backend: str) -> bool:
         if not onednn_available():
             raise ValueError("compute.cpu_gemm: 'onednn' asked for, but this torch build has no oneDNN linear op")
         return True
-    return onednn_wins()
+    return distributed.all_ranks_agree(onednn_wins())  # every rank probes; all compute alike
 
 
 def _swap_in_onednn_linear(model: nn.Module) -> None:

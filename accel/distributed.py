@@ -83,6 +83,18 @@ def start_process_group(backend: str) -> int:
     return dist.get_world_size()
 
 
+def all_ranks_agree(flag: bool) -> bool:
+    """True only where every rank of the default process group passes True (one process: the flag itself): for
+    choices each rank measures for itself, e.g. which library is faster, that must come out the same on all."""
+    dist = _dist()
+    if dist is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    votes = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN)
+    return bool(votes.item())
+
+
 def _mesh(device_type: str, dp: int, fsdp: int, topology: list):
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 

@@ -95,6 +95,15 @@ def test_accelerate_follows_cpu_gemm_and_the_probe(monkeypatch, onednn_calls, co
     assert (len(onednn_calls) == 6) == expected and (onednn_calls == []) == (not expected)
 
 
+def test_auto_takes_onednn_only_where_every_rank_found_it_faster(monkeypatch):
+    from accel import distributed
+
+    monkeypatch.setattr(onednn, "onednn_speedup", lambda: 2.0)
+    monkeypatch.setattr(distributed, "all_ranks_agree", lambda flag: False)  # another rank's probe lost
+    model = _accelerated("auto", compile=False)
+    assert not any(isinstance(m, OneDNNLinear) for m in model.modules())
+
+
 def test_cpu_gemm_onednn_without_onednn_is_an_error(monkeypatch):
     monkeypatch.setattr(onednn, "onednn_available", lambda: False)
     with pytest.raises(ValueError, match="compute.cpu_gemm: 'onednn' asked for"):

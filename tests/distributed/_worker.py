@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import accel  # noqa: E402
+from accel import distributed  # noqa: E402
 from tests.distributed._model import Points, inject_inf, new_model, optimizer_for  # noqa: E402
 
 MICRO = 4  # micro-batches per step in the accumulate modes
@@ -145,8 +146,9 @@ def run(out_dir, mode):
                                 accel.Config(backend=backend))[1]
     for _ in range(2):
         epochs.append([i for batch in shuffled for i in batch["id"].cpu().tolist()])
+    agree = [distributed.all_ranks_agree(True), distributed.all_ranks_agree(dist.get_rank() == 0)]
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"ids": ids, "per_micro_batch": per_micro_batch, "epochs": epochs, "reductions": total,
+    dist.all_gather_object(gathered, {"agree": agree, "ids": ids, "per_micro_batch": per_micro_batch, "epochs": epochs, "reductions": total,
                                       "wrapper": type(inner).__name__, "layout": layout,
                                       "scales": scales, "local": local})
     state = full_state(model)

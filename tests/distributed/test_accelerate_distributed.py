@@ -139,6 +139,12 @@ def test_every_step_communicates_without_accumulation(runs):
 
 
 @pytest.mark.slow
+def test_ranks_agree_only_where_every_rank_votes_yes(runs):
+    # accelerate()'s compute.cpu_gemm="auto": each rank probes oneDNN; all use it only where all found it faster
+    for result in runs.values():
+        assert [r["agree"] for r in result["ranks"]] == [[True, False]] * WORLD
+
+
 def test_ranks_read_disjoint_shares_and_reshuffle_per_epoch(runs):
     ranks = runs["ddp"]["ranks"]
     for epoch in range(2):
