@@ -158,14 +158,12 @@ def _onednn_products(library: str, backend: str) -> bool:
     return distributed.all_ranks_agree(onednn_wins())  # every rank probes; all compute alike
 
 
-def _swap_in_onednn_linear(model: nn.Module) -> None:
-    from torch.nn.modules.linear import Linear
-
-    from accel.runtime.nn.onednn_mm import OneDNNLinear
-
+def _retype(model: nn.Module, torch_class: type, subclass: type) -> None:
+    """Give the model's modules of exactly torch_class accel's subclass of it: same attributes and parameters,
+    only forward differs."""
     for module in model.modules():
-        if type(module) is Linear:
-            module.__class__ = OneDNNLinear  # same attributes and parameters: only forward differs
+        if type(module) is torch_class:
+            module.__class__ = subclass
 
 
 def _apply_kernels(model: nn.Module, kernels: frozenset[str]) -> None:
@@ -175,9 +173,7 @@ def _apply_kernels(model: nn.Module, kernels: frozenset[str]) -> None:
         from accel.runtime.nn.layer_norm import FusedLayerNorm, _TorchLayerNorm
 
         hooks.enable_fused_layer_norm()  # layers built later (e.g. by the user's code) too
-        for module in model.modules():
-            if type(module) is _TorchLayerNorm:
-                module.__class__ = FusedLayerNorm  # same attributes and parameters: only forward differs
+        _retype(model, _TorchLayerNorm, FusedLayerNorm)
     if policy.DROPOUT in kernels:
         from accel.runtime.nn.bias_dropout_add import swap_in_philox_dropout
 
@@ -298,7 +294,11 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
     # before any wrapper hides the model's class
     drop_full_masks = config.dataloader.drop_full_masks and dataloader is not None and reads_no_mask_as_full(model)
     if onednn_products:  # eager calls; compiled graphs get a graph pass (below)
-        _swap_in_onednn_linear(model)
+        from torch.nn.modules.linear import Linear
+
+        from accel.runtime.nn.onednn_mm import OneDNNLinear
+
+        _retype(model, Linear, OneDNNLinear)
     if config.compute.kernels:
         from accel.runtime.policy import helpful_kernels
 
