@@ -55,7 +55,7 @@ def _input_layouts(a: torch.fx.Node, b: torch.fx.Node, bias) -> tuple:
     [3072, 1024] one of BERT's weight gradients); asked for row-major, Inductor writes it so in the kernel that
     produces it (a GELU backward, say), or copies it with a tiled, vectorised loop."""
     val = a.meta["val"]
-    if not (val.stride(1) == 1 and val.stride(0) == val.shape[1]):
+    if not val.is_contiguous():
         with val.fake_mode:
             val = torch.empty(val.shape, dtype=val.dtype, device=val.device)
     bias_val = bias.meta["val"] if isinstance(bias, torch.fx.Node) else None
