@@ -51,3 +51,29 @@ def _compiled_cases(quick: bool) -> list[Case]:
         out.append(grad_case("fp32 Linear+GELU+Linear compiled, fwd+bwd", f"{tokens}x768", 0, inputs, g, ours,
                              {"compiled, torch's products": peer}))
     return out
+
+
+def host_cases(device: str) -> list[Case]:
+    """OneDNNLinear as a model calls it: on 2x8 inputs it is nn.Linear after its checks (the product is small),
+    which is the cost every call of a swapped layer pays on top of F.linear; and accel::onednn_mm itself, the
+    call a large product makes (timed on 2x8 so that the product takes no time)."""
+    import copy
+
+    from torch import nn
+
+    from accel.runtime.nn.onednn_mm import OneDNNLinear
+
+    if device != "cpu" or not onednn_available():
+        return []
+    torch.manual_seed(0)
+    plain = nn.Linear(8, 4)
+    ours = copy.deepcopy(plain)
+    ours.__class__ = OneDNNLinear
+    x = torch.randn(2, 8, requires_grad=True)
+    a, b = torch.randn(2, 8), torch.randn(8, 4)
+    return [
+        Case("OneDNNLinear fwd", "2x8", 0, lambda: ours(x), {"nn.Linear": lambda: plain(x)}, False),
+        Case("OneDNNLinear fwd+bwd", "2x8", 0, lambda: ours(x).sum().backward(),
+             {"nn.Linear": lambda: plain(x).sum().backward()}, False),
+        Case("onednn_mm fwd", "2x8x4", 0, lambda: onednn_mm(a, b), {"torch mm": lambda: torch.mm(a, b)}, False),
+    ]

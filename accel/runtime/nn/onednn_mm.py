@@ -150,9 +150,11 @@ class OneDNNLinear(_TorchLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (x.dtype is torch.float32 and w.dtype is torch.float32 and x.device.type == "cpu" and x.dim() >= 1
-                and x.shape[-1] == w.shape[1]                and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")
-                and large(x.numel() // max(w.shape[1], 1), w.shape[1], w.shape[0])):
-            y = onednn_mm(x.reshape(-1, w.shape[1]), w.t(), self.bias)
-            return y.view(*x.shape[:-1], w.shape[0])
+        out_features, in_features = w.shape
+        # the size first: a small product (the common case of small layers) pays one multiply before F.linear
+        if (x.numel() * out_features >= MIN_MACS and x.dtype is torch.float32 and w.dtype is torch.float32
+                and x.device.type == "cpu" and x.shape[-1] == in_features
+                and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")):
+            y = onednn_mm(x.reshape(-1, in_features), w.t(), self.bias)
+            return y.view(*x.shape[:-1], out_features)
         return F.linear(x, w, self.bias)
