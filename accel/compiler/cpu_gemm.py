@@ -1,9 +1,10 @@
 """Compiled CPU graphs compute their large fp32 matrix products through oneDNN where it beats torch's BLAS.
 
 Inductor calls torch's `mm`/`addmm` (MKL on x86) for the matrix products of a compiled CPU graph, forward and
-backward. On CPUs where oneDNN computes fp32 products faster (accel.runtime.nn.onednn_mm: 2.0-2.4x on an AMD
+backward. On CPUs where oneDNN computes fp32 products faster (accel.runtime.nn.onednn_mm: 1.7-2.4x on an AMD
 EPYC with AVX-512, whose AVX-512 MKL does not use), `SwapCpuGemms`, a post-grad graph pass that accelerate()
-gives Inductor on the CPU, replaces the large fp32 ones with `accel::onednn_mm`. The products and their
+gives Inductor on the CPU, replaces the large fp32 ones with `accel::onednn_mm`, each where oneDNN measured
+faster for that product's shape and layout (timed while compiling, once per process and product). The products and their
 operands are unchanged; only the library that sums them, and so their rounding, differs. BERT-base 8x128
 fp32 training through accelerate() on that CPU: 1.34 s a step against 2.37 s with torch's products (2.35x
 against 1.33x eager fp32; benchmarks/results/bert_base_cpu_fp32_simulated.json).
@@ -63,8 +64,9 @@ def _input_layouts(a: torch.fx.Node, b: torch.fx.Node, bias) -> tuple:
 
 
 class SwapCpuGemms(CustomGraphPass):
-    """Inductor post-grad pass: large fp32 CPU mm/addmm nodes become accel::onednn_mm. Whoever installs it has
-    decided that oneDNN wins here (accelerate(): compute.cpu_gemm and the probe)."""
+    """Inductor post-grad pass: large fp32 CPU mm/addmm nodes become accel::onednn_mm, each where oneDNN measured
+    faster for its shape and layout (accel.runtime.nn.onednn_mm.onednn_faster). Whoever installs it has decided
+    that oneDNN can win on this CPU (accelerate(): compute.cpu_gemm and the probe)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         for node in list(graph.nodes):
@@ -74,10 +76,13 @@ class SwapCpuGemms(CustomGraphPass):
                 bias, a, b = node.args
             else:
                 (a, b), bias = node.args, None
+            layouts = _input_layouts(a, b, bias)
+            if not _onednn.onednn_faster(*layouts[0]):  # timed for this product's shape and layout
+                continue
             with graph.inserting_before(node):
                 swapped = graph.call_function(torch.ops.accel.onednn_mm.default, (a, b, bias))
             swapped.meta.update(node.meta)
-            swapped.meta["eager_input_vals"] = _input_layouts(a, b, bias)
+            swapped.meta["eager_input_vals"] = layouts
             node.replace_all_uses_with(swapped)
             graph.erase_node(node)
 

@@ -82,9 +82,11 @@ def test_probe_decides_by_its_threshold(monkeypatch):
 
 @pytest.fixture
 def onednn_calls(monkeypatch):
-    """How many products reached oneDNN."""
+    """How many products reached oneDNN, with oneDNN taken as the faster library for every product (which it
+    is depends on the machine: onednn_faster's own tests below)."""
     calls = []
     real = module._onednn_linear
+    monkeypatch.setattr(module, "onednn_faster", lambda a, b, bias=None: True)
 
     def counting(a, b, bias):
         calls.append(tuple(a.shape))
@@ -143,7 +145,7 @@ def test_linear_keeps_nn_linear_state_and_pickles():
     torch.testing.assert_close(clone.weight, plain.weight)
 
 
-def test_second_derivatives_match_nn_linear():
+def test_second_derivatives_match_nn_linear(onednn_calls):
     """onednn_mm's backward is made of differentiable ops (itself, mm, sum): gradient-penalty training works."""
     plain, ours = _pair(192, 256)
     x = torch.randn(128, 192, requires_grad=True)  # large: oneDNN forward and backward
@@ -153,3 +155,44 @@ def test_second_derivatives_match_nn_linear():
         results.append((g, *torch.autograd.grad(g.square().sum(), (m.weight, m.bias, x))))
     for ours_t, plain_t in zip(results[1], results[0]):
         torch.testing.assert_close(ours_t, plain_t, rtol=1e-4, atol=1e-4)
+    assert len(onednn_calls) >= 4  # forward, the first backward's two products, the second's
+
+
+@pytest.fixture
+def timings(monkeypatch):
+    """_best_time answering from a list (oneDNN's time, then torch's, per product timed), counting its calls."""
+    answers = []
+    monkeypatch.setattr(module, "_best_time", lambda call: answers.pop(0))
+    monkeypatch.setattr(module, "_faster", {})
+    return answers
+
+
+@pytest.mark.parametrize("ours, theirs, faster", [(1.0, module.MIN_SPEEDUP, True), (1.0, 1.1, False),
+                                                  (2.0, 1.0, False)], ids=["by_the_margin", "within", "slower"])
+def test_faster_follows_the_timings_by_the_margin_once_per_product(timings, ours, theirs, faster):
+    a, b = torch.randn(64, 32), torch.randn(16, 32).t()
+    timings.extend([ours, theirs])
+    assert module.onednn_faster(a, b) is faster
+    assert module.onednn_faster(a.clone(), b) is faster and not timings  # same sizes and strides: not timed again
+    timings.extend([2.0, 1.0])  # another layout of the same product is another product: timed again
+    assert module.onednn_faster(a, b.contiguous()) is False and not timings
+
+
+def test_layers_take_onednn_only_for_the_shapes_it_won(timings, monkeypatch):
+    calls = []
+    real = module._onednn_linear
+    monkeypatch.setattr(module, "_onednn_linear", lambda a, b, bias: calls.append(tuple(a.shape)) or real(a, b, bias))
+    plain, ours = _pair(1024, 1024)
+    few, many = torch.randn(16, 1024), torch.randn(256, 1024)  # 16M and 256M multiply-adds: both large
+    timings.extend([3.0, 1.0, 1.0, 2.0])  # few rows: oneDNN 3x slower; many rows: 2x faster
+    torch.testing.assert_close(ours(few), plain(few), rtol=0, atol=0)  # torch's own product
+    torch.testing.assert_close(ours(many), plain(many), rtol=1e-5, atol=1e-5)
+    assert calls == [(256, 1024)]
+
+
+def test_faster_takes_fake_tensors_of_a_graph_being_compiled():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a, b = torch.empty(128, 256), torch.empty(384, 256).t()
+        assert isinstance(module.onednn_faster(a, b, torch.empty(384)), bool)  # timed on real tensors

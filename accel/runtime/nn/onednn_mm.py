@@ -83,8 +83,8 @@ def large(m: int, k: int, n: int) -> bool:
 
 
 def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b, by oneDNN when large (a backward product has the forward's size, transposed)."""
-    if large(a.shape[0], a.shape[1], b.shape[1]):
+    """a @ b, by oneDNN where it is large and oneDNN measured faster for it."""
+    if large(a.shape[0], a.shape[1], b.shape[1]) and onednn_faster(a, b):
         return onednn_mm(a, b)
     return torch.mm(a, b)
 
@@ -144,9 +144,41 @@ def onednn_wins() -> bool:
     return onednn_speedup() >= MIN_SPEEDUP
 
 
+# (a's size and strides, b's, bias or not) -> oneDNN measured faster for that product on this machine
+_faster: dict[tuple, bool] = {}
+
+
+def _like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A real CPU tensor with t's sizes and strides (t may be a FakeTensor of a graph being compiled)."""
+    size, stride = tuple(int(d) for d in t.shape), tuple(int(d) for d in t.stride())
+    return torch.empty_strided(size, stride).normal_(generator=gen)
+
+
+def onednn_faster(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether oneDNN computes a @ b (+ bias), with these sizes and strides, at least MIN_SPEEDUP times faster than
+    torch's mm/addmm: timed once per process and product (~6 products' time), on random tensors of the same
+    layout. The one-product probe (onednn_wins) says whether oneDNN can win on this CPU at all; which products
+    it wins depends on their shapes: on a Zen 5 EPYC [8, 768] x [768, 768] took 0.68x MKL's time, but
+    [16, 1024] x [1024, 1024] 3.0x and [32, 1024] x [1024, 512] 2.2x (few rows against a large weight). a, b
+    and bias may be FakeTensors (accel.compiler.cpu_gemm decides while Inductor compiles)."""
+    key = (tuple(a.shape), tuple(a.stride()), tuple(b.shape), tuple(b.stride()), bias is not None)
+    if key not in _faster:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily(), torch.no_grad():
+            gen = torch.Generator().manual_seed(0)
+            ra, rb = _like(a, gen), _like(b, gen)
+            rbias = _like(bias, gen) if bias is not None else None
+            ours = _best_time(lambda: _onednn_linear(ra, rb, rbias))
+            theirs = _best_time(lambda: onednn_mm_reference(ra, rb, rbias))
+        _faster[key] = theirs >= MIN_SPEEDUP * ours
+    return _faster[key]
+
+
 class OneDNNLinear(_TorchLinear):
-    """nn.Linear whose large fp32 CPU products run on oneDNN. accelerate() swaps a model's nn.Linear layers for it
-    where oneDNN wins (compute.cpu_gemm); elsewhere nn.Linear stays faster."""
+    """nn.Linear whose large fp32 CPU products run on oneDNN where it measured faster for their shape
+    (onednn_faster), forward and backward. accelerate() swaps a model's nn.Linear layers for it where oneDNN can
+    win on this CPU (compute.cpu_gemm); elsewhere nn.Linear stays."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -155,6 +187,7 @@ class OneDNNLinear(_TorchLinear):
         if (x.numel() * out_features >= MIN_MACS and x.dtype is torch.float32 and w.dtype is torch.float32
                 and x.device.type == "cpu" and x.shape[-1] == in_features
                 and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")):
-            y = onednn_mm(x.reshape(-1, in_features), w.t(), self.bias)
-            return y.view(*x.shape[:-1], out_features)
+            rows = x.reshape(-1, in_features)
+            if onednn_faster(rows, w.t(), self.bias):
+                return onednn_mm(rows, w.t(), self.bias).view(*x.shape[:-1], out_features)
         return F.linear(x, w, self.bias)
