@@ -125,12 +125,13 @@ class ComputeConfig(_Section):
         7.0 -> 1.9 ms a step, the step 8.2 ms either way; `bert_base.py --modes accel,accel-step-graph`).
     cpu_gemm: which library computes a model's large fp32 matrix products on the CPU (cpu backend; eager
         nn.Linear layers and compiled graphs alike: accel.runtime.nn.onednn_mm, accel.compiler.cpu_gemm):
-        "auto" (oneDNN where a probe run once per process finds it at least 1.15x faster than torch's BLAS on
-        this CPU, else torch's), "onednn" or "torch". MKL, torch's BLAS on x86, runs its AVX-512 code on Intel
-        CPUs only: on a 2-core AMD EPYC with AVX-512 (Zen 5) oneDNN computed BERT-base's fp32 products 1.7-2.4x
-        as fast, and a compiled fp32 BERT-base 8x128 training step took 1.34 s against 2.37 s. Where the
-        probe lands near the threshold, runs in separate processes may choose differently (rounding only): set
-        "onednn" or "torch" for runs that must repeat bit for bit. bf16/fp16 products are oneDNN's already.
+        "auto" (where a probe run once per process finds oneDNN at least 1.15x faster than torch's BLAS on this
+        CPU), "onednn" (without that probe) or "torch". Either way oneDNN then takes only the products it
+        measured at least 1.15x faster for their shape and layout (once per process each). MKL, torch's BLAS on
+        x86, runs its AVX-512 code on Intel CPUs only: on a 2-core AMD EPYC with AVX-512 (Zen 5) oneDNN computed
+        BERT-base's fp32 products 1.7-2.4x as fast, and a compiled fp32 BERT-base 8x128 training step took
+        1.34 s against 2.37 s. Timings near the margin may decide differently in two processes (rounding only):
+        set "torch" for runs that must repeat bit for bit. bf16/fp16 products are oneDNN's already.
     inductor_options: further torch._inductor.config settings for the model's compiled graphs (torch.compile's
         `options`), e.g. {"max_autotune": True} or {"combo_kernels": True}; each name must be one of
         Inductor's. CUDA graphs stay compute.cuda_graphs' ("triton.cudagraphs" is refused here). None set

@@ -4,8 +4,8 @@ Inductor calls torch's `mm`/`addmm` (MKL on x86) for the matrix products of a co
 backward. On CPUs where oneDNN computes fp32 products faster (accel.runtime.nn.onednn_mm: 1.7-2.4x on an AMD
 EPYC with AVX-512, whose AVX-512 MKL does not use), `SwapCpuGemms`, a post-grad graph pass that accelerate()
 gives Inductor on the CPU, replaces the large fp32 ones with `accel::onednn_mm`, each where oneDNN measured
-faster for that product's shape and layout (timed while compiling, once per process and product). The products and their
-operands are unchanged; only the library that sums them, and so their rounding, differs. BERT-base 8x128
+faster for that product's shape and layout (timed while compiling, once per process and product). The
+products and their operands are unchanged; only the library that sums them, and so their rounding, differs. BERT-base 8x128
 fp32 training through accelerate() on that CPU: 1.34 s a step against 2.37 s with torch's products (2.35x
 against 1.33x eager fp32; benchmarks/results/bert_base_cpu_fp32_simulated.json).
 
