@@ -105,8 +105,9 @@ def philox_dropout_enabled() -> bool:
 
 def enable_onednn_linear(where_faster: bool = True) -> bool:
     """Make nn.Linear construct accel's OneDNNLinear (same constructor, parameters, state_dict), whose large fp32
-    CPU products run on oneDNN (accel.runtime.nn.onednn_mm). With where_faster (the default) only where the
-    once-per-process probe found oneDNN faster than torch's BLAS on this CPU; elsewhere nothing changes.
+    CPU products run on oneDNN where it measured faster for their shape (accel.runtime.nn.onednn_mm). With
+    where_faster (the default) only where the once-per-process probe found oneDNN faster than torch's BLAS on
+    this CPU at all; elsewhere nothing changes.
 
     Returns:
         whether the hook is on.
