@@ -173,9 +173,12 @@ def test_faster_follows_the_timings_by_the_margin_once_per_product(timings, ours
     a, b = torch.randn(64, 32), torch.randn(16, 32).t()
     timings.extend([ours, theirs])
     assert module.onednn_faster(a, b) is faster
-    assert module.onednn_faster(a.clone(), b) is faster and not timings  # same sizes and strides: not timed again
-    timings.extend([2.0, 1.0])  # another layout of the same product is another product: timed again
+    assert module.onednn_faster(a.clone(), b) is faster and not timings  # the same product: not timed again
+    assert module.onednn_faster(a[:40], b) is faster and not timings  # 40 rows: 33 to 64 share a class
+    timings.extend([2.0, 1.0])  # another layout of the same product is another class: timed again
     assert module.onednn_faster(a, b.contiguous()) is False and not timings
+    timings.extend([2.0, 1.0])  # and so are 65 to 128 rows
+    assert module.onednn_faster(torch.randn(65, 32), b) is False and not timings
 
 
 def test_layers_take_onednn_only_for_the_shapes_it_won(timings, monkeypatch):

@@ -124,6 +124,24 @@ def _best_time(call, repeats: int = 3) -> float:
     return best
 
 
+def _like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A real CPU tensor with t's sizes and strides (t may be a FakeTensor of a graph being compiled)."""
+    size, stride = tuple(int(d) for d in t.shape), tuple(int(d) for d in t.stride())
+    return torch.empty_strided(size, stride).normal_(generator=gen)
+
+
+def _times(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[float, float]:
+    """(oneDNN's, torch's) best time for a @ b (+ bias), on random tensors of their sizes and strides."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        ra, rb = _like(a, gen), _like(b, gen)
+        rbias = _like(bias, gen) if bias is not None else None
+        return (_best_time(lambda: _onednn_linear(ra, rb, rbias)),
+                _best_time(lambda: onednn_mm_reference(ra, rb, rbias)))
+
+
 @functools.cache
 def onednn_speedup() -> float:
     """How many times faster oneDNN computes an fp32 [1024, 768] x [768, 768] product than torch's mm on this
@@ -131,11 +149,7 @@ def onednn_speedup() -> float:
     if not onednn_available():
         return 0.0
     m, n, k = _PROBE_SHAPE
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(m, k, generator=gen)
-    b = torch.randn(n, k, generator=gen).t()  # a Linear's weight as mm sees it
-    ours = _best_time(lambda: _onednn_linear(a, b, None))
-    theirs = _best_time(lambda: torch.mm(a, b))
+    ours, theirs = _times(torch.empty(m, k), torch.empty(n, k).t())  # b: a Linear's weight as mm sees it
     return theirs / ours
 
 
@@ -144,33 +158,31 @@ def onednn_wins() -> bool:
     return onednn_speedup() >= MIN_SPEEDUP
 
 
-# (a's size and strides, b's, bias or not) -> oneDNN measured faster for that product on this machine
+# product class (onednn_faster's key) -> oneDNN measured faster for it on this machine
 _faster: dict[tuple, bool] = {}
 
 
-def _like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """A real CPU tensor with t's sizes and strides (t may be a FakeTensor of a graph being compiled)."""
-    size, stride = tuple(int(d) for d in t.shape), tuple(int(d) for d in t.stride())
-    return torch.empty_strided(size, stride).normal_(generator=gen)
+def _size_class(n: int) -> int:
+    return (int(n) - 1).bit_length()  # sizes in (2^(c-1), 2^c] share a class
+
+
+def _layout(t: torch.Tensor) -> int:
+    return 0 if t.stride(1) == 1 else 1 if t.stride(0) == 1 else 2  # row-major, column-major, other
 
 
 def onednn_faster(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether oneDNN computes a @ b (+ bias), with these sizes and strides, at least MIN_SPEEDUP times faster than
-    torch's mm/addmm: timed once per process and product (~6 products' time), on random tensors of the same
-    layout. The one-product probe (onednn_wins) says whether oneDNN can win on this CPU at all; which products
-    it wins depends on their shapes: on a Zen 5 EPYC [8, 768] x [768, 768] took 0.68x MKL's time, but
-    [16, 1024] x [1024, 1024] 3.0x and [32, 1024] x [1024, 512] 2.2x (few rows against a large weight). a, b
-    and bias may be FakeTensors (accel.compiler.cpu_gemm decides while Inductor compiles)."""
-    key = (tuple(a.shape), tuple(a.stride()), tuple(b.shape), tuple(b.stride()), bias is not None)
+    """Whether oneDNN computes a @ b (+ bias) at least MIN_SPEEDUP times faster than torch's mm/addmm, timed once
+    per process and class of product (each size rounded up to a power of two, each operand's layout: row- or
+    column-major; so that varying batch shapes cost a few timings, not one each), ~6 products' time, on random
+    tensors of the first such product's layout. The one-product probe (onednn_wins) says whether oneDNN can win
+    on this CPU at all; which products it wins depends on their shapes: on a Zen 5 EPYC [8, 768] x [768, 768]
+    took 0.68x MKL's time, but [16, 1024] x [1024, 1024] 3.0x and [32, 1024] x [1024, 512] 2.2x (few rows
+    against a large weight). a, b and bias may be FakeTensors (accel.compiler.cpu_gemm decides while Inductor
+    compiles)."""
+    key = (_size_class(a.shape[0]), _size_class(a.shape[1]), _size_class(b.shape[1]), _layout(a), _layout(b),
+           bias is not None)
     if key not in _faster:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily(), torch.no_grad():
-            gen = torch.Generator().manual_seed(0)
-            ra, rb = _like(a, gen), _like(b, gen)
-            rbias = _like(bias, gen) if bias is not None else None
-            ours = _best_time(lambda: _onednn_linear(ra, rb, rbias))
-            theirs = _best_time(lambda: onednn_mm_reference(ra, rb, rbias))
+        ours, theirs = _times(a, b, bias)
         _faster[key] = theirs >= MIN_SPEEDUP * ours
     return _faster[key]
 
