@@ -130,7 +130,7 @@ class ComputeConfig(_Section):
         measured at least 1.15x faster for their shape and layout (once per process each). MKL, torch's BLAS on
         x86, runs its AVX-512 code on Intel CPUs only: on a 2-core AMD EPYC with AVX-512 (Zen 5) oneDNN computed
         BERT-base's fp32 products 1.7-2.4x as fast, and a compiled fp32 BERT-base 8x128 training step took
-        1.34 s against 2.37 s. Timings near the margin may decide differently in two processes (rounding only):
+        1.36 s against 2.56 s. Timings near the margin may decide differently in two processes (rounding only):
         set "torch" for runs that must repeat bit for bit. bf16/fp16 products are oneDNN's already.
     inductor_options: further torch._inductor.config settings for the model's compiled graphs (torch.compile's
         `options`), e.g. {"max_autotune": True} or {"combo_kernels": True}; each name must be one of

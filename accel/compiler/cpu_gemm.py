@@ -6,8 +6,8 @@ EPYC with AVX-512, whose AVX-512 MKL does not use), `SwapCpuGemms`, a post-grad 
 gives Inductor on the CPU, replaces the large fp32 ones with `accel::onednn_mm`, each where oneDNN measured
 faster for that product's shape and layout (timed while compiling, once per process and product). The
 products and their operands are unchanged; only the library that sums them, and so their rounding, differs. BERT-base 8x128
-fp32 training through accelerate() on that CPU: 1.34 s a step against 2.37 s with torch's products (2.35x
-against 1.33x eager fp32; benchmarks/results/bert_base_cpu_fp32_simulated.json).
+fp32 training through accelerate() on that CPU: 1.36 s a step against 2.56 s with torch's products (2.29x
+against 1.23x eager fp32; benchmarks/results/bert_base_cpu_fp32_simulated.json).
 
 accelerate() installs the pass where compute.cpu_gemm asks for oneDNN: "onednn", or "auto" (the default) where
 the once-per-process probe (accel.runtime.nn.onednn_mm.onednn_wins) found it faster on this CPU. A model

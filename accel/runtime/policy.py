@@ -69,7 +69,7 @@ Evidence (same data and seed in one process):
   lambda's code object, past Dynamo's recompile limit (kernels.py now raises it: accel.utils.dynamo).
 - oneDNN's fp32 products (OneDNNLinear, hooks.enable_onednn_linear) are not in this table: compute.cpu_gemm
   decides them, by a probe on the machine itself (accel.runtime.nn.onednn_mm). AMD EPYC Zen 5, 2026-11-27:
-  BERT-base 8x128 fp32 eager with the hooks 1.84x eager, accelerate() 2.35x (bert_base_cpu_fp32_simulated*).
+  BERT-base 8x128 fp32 eager with the hooks 1.84x eager, accelerate() 2.29-2.35x (bert_base_cpu_fp32_simulated*).
 So the one hook of this table that wins today is PhiloxDropout on the CPU, compiled or not. This table is where the
 kernel-library issue (9) turns the others on, device by device, as each one beats torch's best in a
 measured run.
