@@ -31,7 +31,35 @@ def cases(device: str, quick: bool) -> list[Case]:
             # the weight's gradient in the weight's layout, as OneDNNLinear's backward computes it
             out.append(Case("fp32 linear grad weight", size, nbytes, lambda dy=dy, x=x: onednn_mm(dy.t(), x),
                             {"torch mm": lambda dy=dy, x=x: torch.mm(dy.t(), x)}, memory_bound=False))
-    return out + _compiled_cases(quick)
+    return out + _linear_cases(quick) + _compiled_cases(quick)
+
+
+def _linear_cases(quick: bool) -> list[Case]:
+    """OneDNNLinear against nn.Linear, forward + backward, where oneDNN wins (many rows) and where it loses (few
+    rows against a large weight: the per-class timing keeps torch's product there, so the row shows ~1.0)."""
+    import copy
+
+    from torch import nn
+
+    from accel.runtime.nn.onednn_mm import OneDNNLinear
+
+    out = []
+    for rows, k, n in ((16, 256, 256),) if quick else ((16, 1024, 1024), (32, 1024, 512), (1024, 768, 3072)):
+        torch.manual_seed(0)
+        plain = nn.Linear(k, n)
+        ours = copy.deepcopy(plain)
+        ours.__class__ = OneDNNLinear
+        x = torch.randn(rows, k, requires_grad=True)
+        g = torch.randn(rows, n)
+        nbytes = 4 * (rows * k + k * n + rows * n)
+
+        def step(layer, x=x, g=g):  # what training computes: the input's, the weight's and the bias's gradients
+            return torch.autograd.grad(layer(x), (x, layer.weight, layer.bias), g)
+
+        out.append(Case("fp32 OneDNNLinear fwd+bwd", f"{rows}x{k}->{n}", 3 * nbytes,
+                        lambda ours=ours, step=step: step(ours), {"nn.Linear": lambda plain=plain, step=step: step(plain)},
+                        memory_bound=False))
+    return out
 
 
 def _mlp(x, w1, b1, w2, b2):
