@@ -32,16 +32,8 @@ _lock = threading.Lock()
 _originals: dict[tuple[object, str], object] = {}
 
 
-def _layer_norm_targets():
-    return [(torch.nn, "LayerNorm"), (torch.nn.modules, "LayerNorm")]
-
-
-def _dropout_targets():
-    return [(torch.nn, "Dropout"), (torch.nn.modules, "Dropout")]
-
-
-def _linear_targets():
-    return [(torch.nn, "Linear"), (torch.nn.modules, "Linear")]
+def _nn_targets(name: str):
+    return [(torch.nn, name), (torch.nn.modules, name)]
 
 
 def _adam_targets():
@@ -61,46 +53,54 @@ def _restore(namespace, name: str) -> None:
         setattr(namespace, name, original)
 
 
+def _patch_all(targets, replacement_for) -> None:
+    """Replace every (namespace, name) of targets with replacement_for(name)."""
+    with _lock:
+        for namespace, name in targets:
+            _patch(namespace, name, replacement_for(name))
+
+
+def _restore_all(targets) -> None:
+    with _lock:
+        for namespace, name in targets:
+            _restore(namespace, name)
+
+
+def _patched(namespace, name: str) -> bool:
+    with _lock:
+        return (namespace, name) in _originals
+
+
 def enable_fused_layer_norm() -> None:
     """Make nn.LayerNorm construct accel's FusedLayerNorm (same arguments, parameters, state_dict)."""
     from accel.runtime.nn.layer_norm import FusedLayerNorm
 
-    with _lock:
-        for namespace, name in _layer_norm_targets():
-            _patch(namespace, name, FusedLayerNorm)
+    _patch_all(_nn_targets("LayerNorm"), lambda name: FusedLayerNorm)
 
 
 def disable_fused_layer_norm() -> None:
     """Put torch's own nn.LayerNorm back (a no-op when the hook is off)."""
-    with _lock:
-        for namespace, name in _layer_norm_targets():
-            _restore(namespace, name)
+    _restore_all(_nn_targets("LayerNorm"))
 
 
 def fused_layer_norm_enabled() -> bool:
-    with _lock:
-        return (torch.nn, "LayerNorm") in _originals
+    return _patched(torch.nn, "LayerNorm")
 
 
 def enable_philox_dropout() -> None:
     """Make nn.Dropout construct accel's PhiloxDropout (same arguments; the mask from accel's Philox kernel)."""
     from accel.runtime.nn.bias_dropout_add import PhiloxDropout
 
-    with _lock:
-        for namespace, name in _dropout_targets():
-            _patch(namespace, name, PhiloxDropout)
+    _patch_all(_nn_targets("Dropout"), lambda name: PhiloxDropout)
 
 
 def disable_philox_dropout() -> None:
     """Put torch's own nn.Dropout back (a no-op when the hook is off)."""
-    with _lock:
-        for namespace, name in _dropout_targets():
-            _restore(namespace, name)
+    _restore_all(_nn_targets("Dropout"))
 
 
 def philox_dropout_enabled() -> bool:
-    with _lock:
-        return (torch.nn, "Dropout") in _originals
+    return _patched(torch.nn, "Dropout")
 
 
 def enable_onednn_linear(where_faster: bool = True) -> bool:
@@ -116,41 +116,30 @@ def enable_onednn_linear(where_faster: bool = True) -> bool:
 
     if not (onednn_wins() if where_faster else onednn_available()):
         return onednn_linear_enabled()
-    with _lock:
-        for namespace, name in _linear_targets():
-            _patch(namespace, name, OneDNNLinear)
+    _patch_all(_nn_targets("Linear"), lambda name: OneDNNLinear)
     return True
 
 
 def disable_onednn_linear() -> None:
     """Put torch's own nn.Linear back (a no-op when the hook is off)."""
-    with _lock:
-        for namespace, name in _linear_targets():
-            _restore(namespace, name)
+    _restore_all(_nn_targets("Linear"))
 
 
 def onednn_linear_enabled() -> bool:
-    with _lock:
-        return (torch.nn, "Linear") in _originals
+    return _patched(torch.nn, "Linear")
 
 
 def enable_fused_adam() -> None:
     """Make torch.optim.Adam / AdamW construct accel's FusedAdam / FusedAdamW (same constructor)."""
     from accel.runtime.optim import FusedAdam, FusedAdamW
 
-    replacements = {"Adam": FusedAdam, "AdamW": FusedAdamW}
-    with _lock:
-        for namespace, name in _adam_targets():
-            _patch(namespace, name, replacements[name])
+    _patch_all(_adam_targets(), {"Adam": FusedAdam, "AdamW": FusedAdamW}.__getitem__)
 
 
 def disable_fused_adam() -> None:
     """Put torch's own Adam / AdamW back (a no-op when the hook is off)."""
-    with _lock:
-        for namespace, name in _adam_targets():
-            _restore(namespace, name)
+    _restore_all(_adam_targets())
 
 
 def fused_adam_enabled() -> bool:
-    with _lock:
-        return (torch.optim, "Adam") in _originals
+    return _patched(torch.optim, "Adam")
