@@ -34,21 +34,27 @@ def cases(device: str, quick: bool) -> list[Case]:
     return out + _linear_cases(quick) + _compiled_cases(quick)
 
 
-def _linear_cases(quick: bool) -> list[Case]:
-    """OneDNNLinear against nn.Linear, forward + backward, where oneDNN wins (many rows) and where it loses (few
-    rows against a large weight: the per-class timing keeps torch's product there, so the row shows ~1.0)."""
+def _linear_twins(k: int, n: int):
+    """An nn.Linear(k, n) and a OneDNNLinear with the same weights."""
     import copy
 
     from torch import nn
 
     from accel.runtime.nn.onednn_mm import OneDNNLinear
 
+    torch.manual_seed(0)
+    plain = nn.Linear(k, n)
+    ours = copy.deepcopy(plain)
+    ours.__class__ = OneDNNLinear
+    return plain, ours
+
+
+def _linear_cases(quick: bool) -> list[Case]:
+    """OneDNNLinear against nn.Linear, forward + backward, where oneDNN wins (many rows) and where it loses (few
+    rows against a large weight: the per-class timing keeps torch's product there, so the row shows ~1.0)."""
     out = []
     for rows, k, n in ((16, 256, 256),) if quick else ((16, 1024, 1024), (32, 1024, 512), (1024, 768, 3072)):
-        torch.manual_seed(0)
-        plain = nn.Linear(k, n)
-        ours = copy.deepcopy(plain)
-        ours.__class__ = OneDNNLinear
+        plain, ours = _linear_twins(k, n)
         x = torch.randn(rows, k, requires_grad=True)
         g = torch.randn(rows, n)
         nbytes = 4 * (rows * k + k * n + rows * n)
@@ -85,18 +91,9 @@ def host_cases(device: str) -> list[Case]:
     """OneDNNLinear as a model calls it: on 2x8 inputs it is nn.Linear after its checks (the product is small),
     which is the cost every call of a swapped layer pays on top of F.linear; and accel::onednn_mm itself, the
     call a large product makes (timed on 2x8 so that the product takes no time)."""
-    import copy
-
-    from torch import nn
-
-    from accel.runtime.nn.onednn_mm import OneDNNLinear
-
     if device != "cpu" or not onednn_available():
         return []
-    torch.manual_seed(0)
-    plain = nn.Linear(8, 4)
-    ours = copy.deepcopy(plain)
-    ours.__class__ = OneDNNLinear
+    plain, ours = _linear_twins(8, 4)
     x = torch.randn(2, 8, requires_grad=True)
     a, b = torch.randn(2, 8), torch.randn(8, 4)
     return [

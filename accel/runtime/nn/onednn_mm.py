@@ -101,7 +101,7 @@ def _backward(ctx, grad):
     grad_b = None
     if ctx.needs_input_grad[1]:
         # in b's layout: a Linear's weight read transposed gets its gradient contiguous, not copied into shape
-        grad_b = _product(grad.t(), a).t() if b.stride(0) == 1 and b.stride(1) != 1 else _product(a.t(), grad)
+        grad_b = _product(grad.t(), a).t() if _layout(b) == _COLUMN_MAJOR else _product(a.t(), grad)
     grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return grad_a, grad_b, grad_bias
 
@@ -166,8 +166,11 @@ def _size_class(n: int) -> int:
     return (int(n) - 1).bit_length()  # sizes in (2^(c-1), 2^c] share a class
 
 
+_ROW_MAJOR, _COLUMN_MAJOR, _OTHER = range(3)
+
+
 def _layout(t: torch.Tensor) -> int:
-    return 0 if t.stride(1) == 1 else 1 if t.stride(0) == 1 else 2  # row-major, column-major, other
+    return _ROW_MAJOR if t.stride(1) == 1 else _COLUMN_MAJOR if t.stride(0) == 1 else _OTHER
 
 
 def onednn_faster(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
