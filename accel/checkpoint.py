@@ -67,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import sys
 import types
 import warnings
 from collections import defaultdict
@@ -216,6 +217,7 @@ class _OwnMethod:
 
 
 def _install(block: nn.Module) -> None:
+    _find_cache_types()
     if isinstance(block, _Checkpointed):
         return  # already wrapped: never wrap twice
     # An instance forward would shadow the class's: keep it aside and call it from there.
@@ -262,9 +264,44 @@ def _run_original(block: nn.Module, *args, **kwargs):
     return own(*args, **kwargs)
 
 
+# transformers' key/value cache classes, looked up when blocks are installed (a global dynamo reads as a constant)
+_CACHE_TYPES: tuple = ()
+_cache_warned = False
+
+
+def _find_cache_types() -> None:
+    global _CACHE_TYPES
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    _CACHE_TYPES = (cache_utils.Cache,) if hasattr(cache_utils, "Cache") else ()
+
+
+def _without_caches(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The block's arguments without transformers' key/value caches. A layer appends its keys and values to the
+    cache it is given, so the recomputation in backward would append them a second time: a GPT-2 or Llama layer
+    then attends over twice its keys (a shape error under torch.compile, a corrupted cache eagerly).
+    transformers' own checkpointing gives a checkpointed layer no cache either (GradientCheckpointingLayer);
+    layers that only read one say so with `_can_checkpoint_with_cache`."""
+    global _cache_warned
+    if not _CACHE_TYPES or getattr(block, "_can_checkpoint_with_cache", False):
+        return args, kwargs
+    if not any(isinstance(v, _CACHE_TYPES) for v in itertools.chain(args, kwargs.values())):
+        return args, kwargs
+    if not _cache_warned and not torch.compiler.is_compiling():
+        _cache_warned = True
+        warnings.warn(f"auto_checkpoint: checkpointed {type(block).__name__} layers get no key/value cache (the "
+                      "recomputation in backward would append to it again), as with transformers' own gradient "
+                      "checkpointing; pass use_cache=False to the model to build none", stacklevel=3)
+    args = tuple(None if isinstance(v, _CACHE_TYPES) else v for v in args)
+    kwargs = {k: None if isinstance(v, _CACHE_TYPES) else v for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
 def _checkpointed_forward(block: nn.Module, args: tuple, kwargs: dict):
     if not (block.__dict__.get(_ON_ATTR) and block.training and torch.is_grad_enabled()):
         return _run_original(block, *args, **kwargs)
+    args, kwargs = _without_caches(block, args, kwargs)
     meter = _Meter.active
     if meter is not None:  # a dry run: the inputs stay alive for the recomputation
         for t in _tensors(args, kwargs):

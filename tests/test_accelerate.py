@@ -629,6 +629,34 @@ def test_pack_gives_packed_rows_and_the_loss_of_the_samples_alone(fuse_qkv):
     assert sorted(seen) == sorted(LENGTHS)  # every sample exactly once
 
 
+def test_pack_trains_a_causal_lm_on_each_sample_alone():
+    """dataloader.pack with a causal language model (compiled, as accelerate() runs it by default): each packed
+    batch's loss is the loss over the same samples' tokens computed alone, no token learning across a boundary."""
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).train()
+    data = [{"input_ids": s["input_ids"], "labels": s["input_ids"]} for s in samples(LENGTHS)]
+    config = cpu_config(kernels=False)
+    config.dataloader.pack, config.dataloader.max_length = True, 32
+    model, wrapped = accel.accelerate(copy.deepcopy(ref), torch.utils.data.DataLoader(data, batch_size=4), config)
+    seen = []
+    for batch in wrapped:
+        loss = model(**batch)["loss"]
+        expected, targets = 0.0, 0
+        for row, lens in zip(batch["input_ids"], batch["seq_lens"]):
+            start = 0
+            for n in lens.tolist():
+                if n:
+                    sample = row[start:start + n].unsqueeze(0)
+                    expected = expected + ref(input_ids=sample, labels=sample).loss * (n - 1)
+                    targets += n - 1
+                    seen.append(n)
+                start += n
+        torch.testing.assert_close(loss, expected / targets, rtol=1e-4, atol=1e-5)
+    assert sorted(seen) == sorted(LENGTHS)
+
+
 @pytest.mark.parametrize("on", [True, False])
 def test_a_packed_classifier_computes_each_samples_first_token_in_its_last_layer(on):
     """dataloader.pack with compute.first_token_only: the last layer's query projection sees one position per

@@ -11,6 +11,7 @@ import pickle
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -812,3 +813,34 @@ def test_undo_under_a_subclass_another_library_put_on_top_keeps_that_class():
     counts, _ = count_calls([blk.fc1 for blk in model])
     model(torch.randn(B, D)).sum().backward()
     assert list(counts.values()) == [1, 1]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_checkpointed_decoder_layers_get_no_cache_to_append_to_again(compiled):
+    """A transformers decoder layer appends its keys and values to the cache it is given; recomputed in backward
+    it would append them again (compiled, GPT-2 then failed with a shape error; eagerly the returned cache held
+    every layer's keys twice). Checkpointed layers get no cache, as transformers' own checkpointing does, and
+    compute the gradients of the plain model."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    plain = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0)).train()
+    wrapped = auto_checkpoint(copy.deepcopy(plain))
+    ids = torch.randint(0, 97, (2, 16))
+    plain_out = plain(input_ids=ids, labels=ids)
+    assert plain_out.past_key_values.get_seq_length() == 16  # the plain model's cache, built by use_cache
+    plain_out.loss.backward()
+    if compiled:
+        torch._dynamo.reset()
+    run = torch.compile(wrapped) if compiled else wrapped
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = run(input_ids=ids, labels=ids)
+        out.loss.backward()
+    assert out.past_key_values is None or out.past_key_values.get_seq_length() == 0
+    assert compiled or any("no key/value cache" in str(w.message) for w in caught)
+    torch.testing.assert_close(out.loss, plain_out.loss)
+    expected = grads(plain)
+    for name, grad in grads(wrapped).items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

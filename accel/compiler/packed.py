@@ -1,4 +1,4 @@
-"""Training a transformers encoder on packed rows, every sample computed as if it were alone.
+"""Training a transformers model on packed rows, every sample computed as if it were alone.
 
 A packed row (accel.data.packing) holds several samples back to back in one static shape. Position ids that
 restart per sample are not enough to keep them apart: attention would still mix the samples, and a
@@ -6,10 +6,13 @@ sequence-classification head pools only the row's first token, so a row would ge
 one per sample. `document_mask` keeps attention inside each sample (a FlexAttention BlockMask, or a 4-D mask
 for SDPA and eager attention; transformers' mask builders return any 4-D mask unchanged, so it reaches every
 attention layer as built), and `PackedModel` runs the model with that mask and the restarting position ids.
-For sequence classification it pools each sample's first token and takes the loss over the samples. A packed
-batch then gives each sample the same logits, loss and gradients as running the samples one at a time
-(tests/compiler/test_packed.py). torch 2.9 has no varlen attention module (torch.nn.attention.varlen) and
-transformers does not dispatch to one, so varlen kernels are not a backend here.
+For sequence classification it pools each sample's first token and takes the loss over the samples. For a
+causal language model the mask is causal within each sample too, and the label of each sample's first token
+is ignored: the model's loss shifts the labels by one, so that label is what the previous sample's last token
+would otherwise be trained to predict. A packed batch then gives each sample the same logits, loss and
+gradients as running the samples one at a time (tests/compiler/test_packed.py). torch 2.9 has no varlen
+attention module (torch.nn.attention.varlen) and transformers does not dispatch to one, so varlen kernels are
+not a backend here.
 """
 from __future__ import annotations
 
@@ -28,10 +31,12 @@ BACKENDS = (FLEX, SDPA, ACCEL_SDPA, "eager")
 # per-token labels is the loss over the same tokens unpacked.
 _TOKEN_HEADS = ("ForMaskedLM", "ForTokenClassification")
 _SEQUENCE_HEAD = "ForSequenceClassification"
+# Causal language models (LlamaForCausalLM, GPT2LMHeadModel, BertLMHeadModel): per-token loss on shifted labels.
+_CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
 
 
-def document_mask(segment_ids: torch.Tensor, backend: str, dtype: torch.dtype = torch.float32
-                  ) -> BlockMask | torch.Tensor:
+def document_mask(segment_ids: torch.Tensor, backend: str, dtype: torch.dtype = torch.float32,
+                  causal: bool = False) -> BlockMask | torch.Tensor:
     """The attention mask that lets each token of a packed batch see only its own sample.
 
     Padding (segment 0) attends to padding only, so no softmax row is empty and padding never reaches a sample.
@@ -40,6 +45,7 @@ def document_mask(segment_ids: torch.Tensor, backend: str, dtype: torch.dtype = 
         segment_ids: [B, L] integer tensor, 1, 2, ... per packed sample and 0 for the padding tail.
         backend: the model's `config._attn_implementation`: "flex_attention", "sdpa", "accel_sdpa" or "eager".
         dtype: the model's floating dtype; used only by the additive mask for "eager".
+        causal: each token sees only its own sample's tokens up to itself (a decoder's attention).
 
     Returns:
         "flex_attention": a BlockMask of shape (B, 1, L, L) on segment_ids' device.
@@ -59,13 +65,20 @@ def document_mask(segment_ids: torch.Tensor, backend: str, dtype: torch.dtype = 
         def same_segment(b, h, q_idx, kv_idx):
             return segment_ids[b, q_idx] == segment_ids[b, kv_idx]
 
+        def same_segment_causal(b, h, q_idx, kv_idx):
+            return (segment_ids[b, q_idx] == segment_ids[b, kv_idx]) & (q_idx >= kv_idx)
+
         # H=None: one mask shared by every head.
-        return create_block_mask(same_segment, batch, None, length, length, device=segment_ids.device)
+        return create_block_mask(same_segment_causal if causal else same_segment, batch, None, length, length,
+                                 device=segment_ids.device)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
     allowed = block_diagonal_mask(segment_ids, "bool").unsqueeze(1)  # [B, 1, L, L]
+    if causal:
+        length = segment_ids.shape[1]
+        allowed = allowed & torch.ones(length, length, dtype=torch.bool, device=allowed.device).tril()
     if backend in (SDPA, ACCEL_SDPA):
         return allowed
     # Built from the bool mask on segment_ids' device (block_diagonal_mask's additive form allocates on the CPU).
@@ -114,12 +127,14 @@ def _load_state_dict_into_wrapper(module, state_dict, prefix, *args) -> None:
 
 
 class PackedModel(nn.Module):
-    """Runs a transformers encoder on packed rows so each sample is computed as if it were alone.
+    """Runs a transformers model on packed rows so each sample is computed as if it were alone.
 
-    Supported: encoder models (not decoders) whose class name ends in ForMaskedLM or ForTokenClassification
-    (the model's own per-token loss is used), or ForSequenceClassification with a BERT-style head
-    (`model.base_model.pooler` pooling the first token, then `model.dropout` and `model.classifier`),
-    single-label classification only; attention "flex_attention", "sdpa", "accel_sdpa" or "eager".
+    Supported: encoder models whose class name ends in ForMaskedLM or ForTokenClassification (the model's own
+    per-token loss is used), or ForSequenceClassification with a BERT-style head (`model.base_model.pooler`
+    pooling the first token, then `model.dropout` and `model.classifier`), single-label classification only;
+    causal language models whose class name ends in ForCausalLM or LMHeadModel (the model's own loss on its
+    shifted labels, each sample's first label ignored); attention "flex_attention", "sdpa", "accel_sdpa" or
+    "eager". Encoder-decoder models are not supported.
 
     The wrapped model is `self.model`, unchanged, and shares its parameters. `state_dict()` and
     `load_state_dict()` use the wrapped model's keys (no "model." prefix), so checkpoints move freely between
@@ -135,8 +150,9 @@ class PackedModel(nn.Module):
             (accelerate()'s compute.first_token_only). Outputs and gradients are the same either way.
 
     Raises:
-        ValueError: a decoder or encoder-decoder model, an attention implementation not in BACKENDS, a head it
-            cannot pack, or a sequence classifier for regression / multi-label or without a first-token pooler.
+        ValueError: an encoder-decoder model, an encoder head on a decoder, an attention implementation not in
+            BACKENDS, a head it cannot pack, or a sequence classifier for regression / multi-label or without a
+            first-token pooler.
     """
 
     def __init__(self, model: nn.Module, first_tokens_only: bool = True):
@@ -146,20 +162,25 @@ class PackedModel(nn.Module):
             raise ValueError("model must be a transformers model (an nn.Module with .config), "
                              f"got {type(model).__name__}")
         name = type(model).__name__
-        if getattr(config, "is_decoder", False) or getattr(config, "is_encoder_decoder", False):
-            raise ValueError(f"model {name} is a decoder or encoder-decoder; PackedModel supports encoders only "
-                             "(its block-diagonal mask has no causal part)")
+        if getattr(config, "is_encoder_decoder", False):
+            raise ValueError(f"model {name} is an encoder-decoder; PackedModel supports encoders and causal "
+                             "language models")
         backend = getattr(config, "_attn_implementation", None)
         if backend not in BACKENDS:
             raise ValueError(f"model's attention implementation must be one of {BACKENDS}, got {backend!r}")
-        if name.endswith(_TOKEN_HEADS):
+        if name.endswith(_CAUSAL_HEADS):
+            self.head = "causal"
+        elif getattr(config, "is_decoder", False):
+            raise ValueError(f"model {name} is a decoder with an encoder's head; PackedModel packs decoders as "
+                             f"causal language models (*{', *'.join(_CAUSAL_HEADS)})")
+        elif name.endswith(_TOKEN_HEADS):
             self.head = "token"
         elif name.endswith(_SEQUENCE_HEAD):
             self.head = "sequence"
             self._check_sequence_head(model)
         else:
             raise ValueError(f"model {name} has an unsupported head; PackedModel supports "
-                             f"*{', *'.join(_TOKEN_HEADS)} and *{_SEQUENCE_HEAD}")
+                             f"*{', *'.join(_TOKEN_HEADS + _CAUSAL_HEADS)} and *{_SEQUENCE_HEAD}")
         self.model = model
         # The selecting forward of the last layer (a plain object, not a submodule), or None: the full layer.
         self._last_layer = last_layer_rows(model) if first_tokens_only and self.head == "sequence" else None
@@ -199,8 +220,9 @@ class PackedModel(nn.Module):
             input_ids, position_ids, segment_ids: [B, L] from PackedDataset (position ids restart at 0 per
                 sample, segment ids 1, 2, ... per sample and 0 for padding).
             token_type_ids: optional [B, L].
-            labels: token heads: per-token [B, L], -100 ignored. Sequence classification: one class id per
-                segment [B, S] in segment order, -100 for missing segments.
+            labels: token heads and causal language models: per-token [B, L], -100 ignored (a causal model's
+                loss predicts each token's label from the token before it, as unpacked). Sequence
+                classification: one class id per segment [B, S] in segment order, -100 for missing segments.
             seq_lens: optional [B, S] sample lengths; only its shape is used, to fix S for sequence
                 classification without labels (otherwise S = segment_ids.max(), a host sync that also breaks
                 a torch.compile graph).
@@ -208,7 +230,8 @@ class PackedModel(nn.Module):
                 max_seqlen are refused: the mask is built here from segment_ids.
 
         Returns:
-            Token heads: the model's own output (loss over the labelled tokens, logits [B, L, ...]).
+            Token heads and causal language models: the model's own output (loss over the labelled tokens,
+            logits [B, L, ...]); a causal model runs without its key/value cache unless use_cache is passed.
             Sequence classification: a SequenceClassifierOutput with logits [B, S, num_labels] (zeros where a
             row has no segment s) and loss, the cross entropy averaged over the segments whose label is not
             -100, i.e. `model(**unpacked).loss` over the same samples.
@@ -236,13 +259,24 @@ class PackedModel(nn.Module):
             raise RuntimeError("flex_attention cannot train on the CPU: Inductor has no FlexAttention backward "
                                "there (pytorch/pytorch#169224); use attn_implementation='sdpa' on the CPU, or "
                                "run the forward under torch.no_grad()")
-        mask = document_mask(segment_ids, backend, dtype=self.model.dtype)
-        if self.head == "token":
+        mask = document_mask(segment_ids, backend, dtype=self.model.dtype, causal=self.head == "causal")
+        if self.head in ("token", "causal"):
             if labels is not None and labels.shape != input_ids.shape:
                 raise ValueError(f"labels must be per-token {tuple(input_ids.shape)} for {type(self.model).__name__}"
                                  f", got {tuple(labels.shape)}")
-            return self.model(input_ids=input_ids, attention_mask=mask, token_type_ids=token_type_ids,
-                              position_ids=position_ids, labels=labels, **kwargs)
+            if token_type_ids is not None:  # not every model takes them (Llama does not)
+                kwargs["token_type_ids"] = token_type_ids
+            if self.head == "causal":
+                # A training step has no use for the key/value cache, and a checkpointed layer would append to it
+                # again when recomputed.
+                kwargs.setdefault("use_cache", False)
+                if labels is not None:
+                    # The loss pairs the logits at t with the label at t + 1: a sample's first label is the target
+                    # of the previous sample's last token, which must not learn across the boundary.
+                    previous = F.pad(segment_ids[:, :-1], (1, 0), value=-1)
+                    labels = labels.masked_fill(segment_ids != previous, LABEL_PAD)
+            return self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, labels=labels,
+                              **kwargs)
         return self._classify(input_ids, position_ids, segment_ids, token_type_ids, labels, seq_lens, mask, kwargs)
 
     def _classify(self, input_ids, position_ids, segment_ids, token_type_ids, labels, seq_lens, mask, kwargs):

@@ -248,8 +248,12 @@ def test_document_mask_bad_arguments():
 def test_unsupported_models_are_refused_by_name():
     with pytest.raises(ValueError, match="unsupported head"):
         PackedModel(transformers.BertModel(_config("sdpa")))
-    with pytest.raises(ValueError, match="decoder"):
+    with pytest.raises(ValueError, match="decoder with an encoder's head"):
         PackedModel(transformers.BertForMaskedLM(_config("sdpa", is_decoder=True)))
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        PackedModel(transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)))
+    assert PackedModel(transformers.BertLMHeadModel(_config("sdpa", is_decoder=True))).head == "causal"
     with pytest.raises(ValueError, match="single-label"):
         PackedModel(transformers.BertForSequenceClassification(_config("sdpa", num_labels=1)))
     with pytest.raises(ValueError, match="single-label"):
@@ -359,3 +363,109 @@ def test_compiled_packed_classifier_matches_without_graph_breaks():
     assert packed._last_layer.rows is None
     packed(**batch)  # uncompiled again: the compiled call left nothing set
     assert queries[-1] == len(batch["seq_lens"][0])
+
+
+# Causal language models: each sample's tokens see only their own earlier tokens, and the loss pairs a token's
+# logits with the next token's label inside its sample only. The families users pack most: GPT-2 (learned
+# positions, attention in its own module) and Llama (rotary positions, grouped key/value heads).
+DECODERS = ("gpt2", "llama")
+
+
+def _decoder(family, attn_implementation):
+    if family == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, attn_implementation=attn_implementation))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=32, attn_implementation=attn_implementation))
+
+
+def _causal_models(family, backend, device):
+    if backend == FLEX and family == "gpt2":
+        pytest.skip("transformers runs GPT-2 without flex_attention (GPT2LMHeadModel._supports_flex_attn is False)")
+    if backend == ACCEL_SDPA:
+        unpadded_attention(transformers.BertForSequenceClassification(_config("sdpa")))  # registers it
+    torch.manual_seed(0)
+    model = _decoder(family, backend).to(device).train()
+    reference = _decoder(family, "eager").to(device).train()
+    reference.load_state_dict(model.state_dict())
+    return PackedModel(model), reference
+
+
+def _causal_samples(seed=0):
+    """Token ids as labels, the first tokens of some samples unlabelled (a prompt), every sample with a target."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for n in LENGTHS:
+        ids = torch.randint(1, VOCAB, (n,), generator=g)
+        labels = ids.clone()
+        labels[:int(torch.randint(0, n - 1, (), generator=g))] = LABEL_PAD
+        samples.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return samples
+
+
+def _causal_alone(reference, sample, device):
+    return reference(input_ids=torch.tensor([sample["input_ids"]], device=device),
+                     labels=torch.tensor([sample["labels"]], device=device))
+
+
+def _causal_loss_weights(samples):
+    """The model's loss is the mean over (token, next label) pairs with a label: each sample's share."""
+    counts = [sum(label != LABEL_PAD for label in s["labels"][1:]) for s in samples]
+    return [c / sum(counts) for c in counts]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", DECODERS)
+def test_packed_causal_lm_outputs_match_each_sample_alone(family, backend, device):
+    packed, reference = _causal_models(family, backend, device)
+    samples = _causal_samples()
+    ds, batch = _packed(samples, device)
+    weights = _causal_loss_weights(samples)
+    tol = _tolerance(device)
+    with torch.no_grad():  # flex_attention also runs forward on the CPU
+        out = packed(**batch)
+        expected_loss = torch.zeros((), device=device)
+        for r, _, offset, i in _placements(ds):
+            alone = _causal_alone(reference, samples[i], device)
+            n = len(samples[i]["input_ids"])
+            torch.testing.assert_close(out["logits"][r, offset:offset + n], alone.logits[0], **tol)
+            expected_loss += weights[i] * alone.loss
+    torch.testing.assert_close(out["loss"], expected_loss, **tol)
+    assert batch["labels"][batch["position_ids"] == 0].ne(LABEL_PAD).any()  # first labels were there to ignore
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", DECODERS)
+def test_packed_causal_lm_gradients_match_each_sample_alone(family, backend, device):
+    if backend == FLEX and device == "cpu":
+        pytest.skip(NO_CPU_FLEX_BACKWARD)
+    packed, reference = _causal_models(family, backend, device)
+    samples = _causal_samples(seed=1)
+    _, batch = _packed(samples, device)
+    packed(**batch)["loss"].backward()
+    weights = _causal_loss_weights(samples)
+    sum(w * _causal_alone(reference, s, device).loss for w, s in zip(weights, samples)).backward()
+    reference_params = dict(reference.named_parameters())
+    for name, param in packed.model.named_parameters():
+        torch.testing.assert_close(param.grad, reference_params[name].grad, rtol=1e-4 if device == "cpu" else 1e-3,
+                                   atol=1e-6 if device == "cpu" else 1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_causal_document_mask_by_hand():
+    segments = torch.tensor([[1, 1, 2, 2, 2, 0]])
+    expected = torch.tensor([[1, 0, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0, 0],
+                             [0, 0, 1, 0, 0, 0],
+                             [0, 0, 1, 1, 0, 0],
+                             [0, 0, 1, 1, 1, 0],
+                             [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(document_mask(segments, "sdpa", causal=True)[0, 0], expected)
+    additive = document_mask(segments, "eager", causal=True)[0, 0]
+    assert torch.equal(additive == 0, expected) and (additive[~expected] == torch.finfo(torch.float32).min).all()
+    flex = document_mask(segments, FLEX, causal=True)
+    zero = torch.zeros((), dtype=torch.long)
+    assert torch.equal(flex.mask_mod(zero, zero, torch.arange(6).view(6, 1), torch.arange(6).view(1, 6)), expected)
