@@ -6,9 +6,12 @@
     accel.remove_checkpoint(model)                                  # undo
 
 Finding the blocks. Every nn.ModuleList / nn.Sequential in the model is split into groups of children
-with the same structure (same module types all the way down, same parameter names and shapes). The
-group holding the most parameters wins (ties: more members, then the outermost): the layers of a
-transformer encoder, the stages of a ResNet stage, the blocks of an MLP stack.
+with the same structure (same module types all the way down, same parameter names and shapes), joined by
+lone children of the same class (T5's first layer, a ResNet stage's downsampling block). The
+group holding the most parameters comes first (ties: more members, then the outermost): the layers of a
+transformer encoder, the blocks of a ResNet stage or of an MLP stack. Every other such group of blocks
+that lies outside it is taken too (find_block_stacks): an encoder-decoder's encoder and decoder layers,
+the blocks of every ResNet or Swin stage.
 
 Or by class name. block_classes={"BertLayer"} takes every module of those classes instead (outermost
 matches only: a match nested inside another match is not wrapped twice), in model order.
@@ -79,7 +82,7 @@ from torch import nn
 
 from accel.utils.batch import iter_tensors
 
-__all__ = ["auto_checkpoint", "remove_checkpoint", "checkpoint_plan", "find_repeated_blocks",
+__all__ = ["auto_checkpoint", "remove_checkpoint", "checkpoint_plan", "find_repeated_blocks", "find_block_stacks",
            "find_blocks_by_class", "activation_bytes", "CheckpointPlan"]
 
 _PLAN_ATTR = "_accel_checkpoint_plan"
@@ -87,8 +90,8 @@ _PLAN_ATTR = "_accel_checkpoint_plan"
 
 @dataclass
 class CheckpointPlan:
-    container: str                         # qualified name of the ModuleList/Sequential ("" = model)
-    blocks: list[str]                      # qualified names of the repeated blocks, in order
+    containers: list[str]                  # qualified names of the ModuleLists/Sequentials ("" = model)
+    blocks: list[str]                      # qualified names of the repeated blocks, in model order
     checkpointed: list[str]                # the blocks that run under checkpointing
     memory_budget: int | None = None
     pending: bool = False                  # budget given, waiting for the first training forward
@@ -106,8 +109,10 @@ def checkpoint_plan(model: nn.Module) -> CheckpointPlan | None:
 # finding the repeated blocks
 
 def _signature(module: nn.Module) -> tuple:
-    """Same signature <=> same module types in the same tree and same parameter names/shapes/dtypes."""
-    types_ = tuple((name, type(m)) for name, m in module.named_modules())
+    """Same signature <=> same types of the modules holding parameters, in the same tree, and same parameter
+    names/shapes/dtypes. Modules without parameters do not count: stochastic depth makes Swin's first block an
+    nn.Identity where the next one has a DropPath (rates rise with depth), and the blocks are still alike."""
+    types_ = tuple((name, type(m)) for name, m in module.named_modules() if any(True for _ in m.parameters()))
     params = tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters())
     return types_, params
 
@@ -116,26 +121,64 @@ def _depth(name: str) -> int:
     return 0 if name == "" else name.count(".") + 1
 
 
-def find_repeated_blocks(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
-    """(container name, [(qualified block name, block), ...]) of the largest group of structurally
-    identical children of an nn.ModuleList / nn.Sequential; ("", []) when the model has none."""
+def _ranked_groups(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
+    """Every group of >= 2 structurally identical children (with parameters) of an nn.ModuleList /
+    nn.Sequential, joined by the container's lone children of the same class (T5's first layer, the only one
+    holding the relative attention bias; a ResNet stage's first block, the one that downsamples), as
+    (container name, [(qualified block name, block), ...]) in container order; the largest group first: most
+    parameters, then most members, then the outermost container."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    best_key, best = None, ("", [])
+    ranked = []
     for cname, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
         groups: dict[tuple, list[tuple[str, nn.Module]]] = defaultdict(list)
         for child_name, child in container.named_children():
             groups[_signature(child)].append((f"{cname}.{child_name}" if cname else child_name, child))
+        lone = [members[0] for members in groups.values() if len(members) == 1]
+        position = {id(child): i for i, child in enumerate(container.children())}
         for members in groups.values():
+            if len(members) >= 2:
+                joining = [m for m in lone if type(m[1]) is type(members[0][1])]
+                lone = [m for m in lone if m not in joining]
+                members[:] = sorted(members + joining, key=lambda m: position[id(m[1])])
             n_params = sum(p.numel() for _, m in members for p in m.parameters())
-            if len(members) < 2 or n_params == 0:
-                continue
-            key = (n_params, len(members), -_depth(cname))
-            if best_key is None or key > best_key:
-                best_key, best = key, (cname, members)
-    return best
+            if len(members) >= 2 and n_params > 0:
+                ranked.append(((n_params, len(members), -_depth(cname)), cname, members))
+    ranked.sort(key=lambda item: item[0], reverse=True)  # stable: equal keys stay in model order
+    return [(cname, members) for _, cname, members in ranked]
+
+
+def find_repeated_blocks(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
+    """(container name, [(qualified block name, block), ...]) of the largest group of structurally
+    identical children of an nn.ModuleList / nn.Sequential; ("", []) when the model has none."""
+    ranked = _ranked_groups(model)
+    return ranked[0] if ranked else ("", [])
+
+
+def _inside(name: str, outer: str) -> bool:
+    return outer == "" or name == outer or name.startswith(outer + ".")
+
+
+def find_block_stacks(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
+    """Every stack of repeated blocks, in model order: the largest group (find_repeated_blocks), then each
+    other group whose blocks neither lie inside nor contain a block already taken, and are blocks (modules
+    with submodules) rather than single layers. An encoder-decoder's encoder and decoder layers, both towers of
+    a two-tower model, each stage's blocks of a ResNet or Swin (whose stages differ in width); not the experts
+    inside an MoE layer (inside a taken block), nor a list of identical Linear heads (single layers, nothing
+    worth recomputing)."""
+    taken: list[tuple[str, list[tuple[str, nn.Module]]]] = []
+    names: list[str] = []
+    for cname, members in _ranked_groups(model):
+        if taken and not all(any(True for _ in block.children()) for _, block in members):
+            continue
+        if any(_inside(n, t) or _inside(t, n) for n, _ in members for t in names):
+            continue
+        taken.append((cname, members))
+        names.extend(n for n, _ in members)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return sorted(taken, key=lambda stack: order[stack[1][0][0]])
 
 
 def find_blocks_by_class(model: nn.Module, class_names) -> list[tuple[str, nn.Module]]:
@@ -640,7 +683,7 @@ def auto_checkpoint(model: nn.Module, memory_budget: int | None = None, example_
     place; same state_dict keys). memory_budget: bytes of saved activations per training forward
     to fit in (None: checkpoint every block). example_inputs: a batch for the budget's dry runs
     (tuple of positional or dict of keyword arguments); without it the first training forward is used.
-    block_classes: class names of the blocks (None: found as the largest group of repeated blocks).
+    block_classes: class names of the blocks (None: every stack of repeated blocks, find_block_stacks).
     count: checkpoint only the first `count` blocks (None: all, or as the budget decides).
     """
     if not isinstance(model, nn.Module):
@@ -659,10 +702,12 @@ def auto_checkpoint(model: nn.Module, memory_budget: int | None = None, example_
     if old is not None and old._hook is not None:
         old._hook.remove()
     if class_names is None:
-        container, members = find_repeated_blocks(model)
+        stacks = find_block_stacks(model)
+        containers = [cname for cname, _ in stacks]
+        members = [member for _, stack in stacks for member in stack]
         missing = "repeated blocks (structurally identical children of an nn.ModuleList or nn.Sequential)"
     else:
-        container, members = "", find_blocks_by_class(model, class_names)
+        containers, members = [], find_blocks_by_class(model, class_names)
         missing = f"modules of the classes {sorted(class_names)}"
     if not members:
         warnings.warn(f"auto_checkpoint: found no {missing}; the model is returned unchanged", stacklevel=2)
@@ -673,7 +718,7 @@ def auto_checkpoint(model: nn.Module, memory_budget: int | None = None, example_
     names = [name for name, _ in members]
     for _, block in members:
         _install(block)
-    plan = CheckpointPlan(container=container, blocks=names, checkpointed=list(names), memory_budget=memory_budget)
+    plan = CheckpointPlan(containers=containers, blocks=names, checkpointed=list(names), memory_budget=memory_budget)
     object.__setattr__(model, _PLAN_ATTR, plan)
     if memory_budget is None:
         plan.checkpointed = names[:count]

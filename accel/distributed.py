@@ -107,7 +107,7 @@ def _mesh(device_type: str, dp: int, fsdp: int, topology: list):
 
 
 def _named_fsdp_blocks(model: nn.Module, class_names) -> list[tuple[str, nn.Module]]:
-    from accel.checkpoint import find_blocks_by_class, find_repeated_blocks
+    from accel.checkpoint import find_block_stacks, find_blocks_by_class
 
     if class_names:
         found = find_blocks_by_class(model, class_names)
@@ -115,7 +115,7 @@ def _named_fsdp_blocks(model: nn.Module, class_names) -> list[tuple[str, nn.Modu
             raise ValueError(f"dist.fsdp.wrap_layer_cls: no module of the model has a class named in "
                              f"{sorted(class_names)}")
     else:
-        _, found = find_repeated_blocks(model)
+        found = [block for _, stack in find_block_stacks(model) for block in stack]
     return list(found)
 
 

@@ -93,6 +93,65 @@ def test_blocks_with_different_shapes_are_not_grouped():
     assert checkpoint_plan(model) is None
 
 
+class TwoTowers(nn.Module):
+    """Two stacks of different widths (an encoder-decoder, a two-tower model), identical Linear heads, and
+    blocks holding identical experts (an MoE layer)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.narrow = nn.ModuleList([MLPBlock(d=4, h=8) for _ in range(3)])
+        self.wide = nn.ModuleList([MLPBlock(d=6, h=12) for _ in range(2)])
+        self.heads = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 6)])
+        self.moe = nn.ModuleList([nn.ModuleList([MLPBlock(d=6, h=4) for _ in range(2)]) for _ in range(2)])
+        self.up = nn.Linear(4, 6)
+
+
+def test_finds_every_stack_in_model_order_but_not_single_layers_or_blocks_inside_blocks():
+    stacks = checkpoint_module.find_block_stacks(TwoTowers())
+    assert [(c, [n for n, _ in blocks]) for c, blocks in stacks] == [
+        ("narrow", ["narrow.0", "narrow.1", "narrow.2"]),
+        ("wide", ["wide.0", "wide.1"]),
+        ("moe", ["moe.0", "moe.1"]),  # the MoE layers, not the experts inside them
+    ]
+    # find_repeated_blocks stays the largest group alone
+    assert find_repeated_blocks(TwoTowers())[0] == "wide"
+
+
+def test_blocks_that_differ_only_in_parameter_free_modules_or_one_extra_parameter_are_one_stack():
+    torch.manual_seed(0)
+    # stochastic depth: the first block's DropPath is an nn.Identity (rate 0), the others' a Dropout-like layer
+    blocks = [MLPBlock(), MLPBlock(dropout=0.1), MLPBlock(dropout=0.2)]
+    blocks[0].drop = nn.Identity()
+    # T5: only the first layer holds the relative attention bias
+    first = MLPBlock()
+    first.bias = nn.Parameter(torch.zeros(3))
+    model = nn.Sequential(nn.Sequential(*blocks), nn.Sequential(first, MLPBlock(), MLPBlock()))
+    stacks = checkpoint_module.find_block_stacks(model)
+    assert [[n for n, _ in blocks] for _, blocks in stacks] == [["0.0", "0.1", "0.2"], ["1.0", "1.1", "1.2"]]
+
+
+def test_an_encoder_decoder_checkpoints_both_stacks_with_the_plain_gradients():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    plain = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=97, d_model=32, d_ff=64, num_layers=3, num_heads=2, d_kv=16, dropout_rate=0.0,
+        decoder_start_token_id=0)).train()
+    wrapped = auto_checkpoint(copy.deepcopy(plain))
+    plan = checkpoint_plan(wrapped)
+    assert plan.containers == ["encoder.block", "decoder.block"]
+    assert plan.checkpointed == [f"{side}.block.{i}" for side in ("encoder", "decoder") for i in range(3)]
+    ids, labels = torch.randint(0, 97, (2, 12)), torch.randint(0, 97, (2, 7))
+    # (a submodule's hooks: the recomputation calls the block's forward, not the block)
+    calls, _ = count_calls([wrapped.encoder.block[0].layer[0], wrapped.decoder.block[2].layer[0]])
+    wrapped(input_ids=ids, labels=labels).loss.backward()
+    assert set(calls.values()) == {2}  # forward, then the recomputation in backward
+    plain(input_ids=ids, labels=labels).loss.backward()
+    expected = grads(plain)
+    for name, grad in grads(wrapped).items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 # --------------------------------------------------------------------------- same results
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
@@ -816,7 +875,7 @@ def test_undo_under_a_subclass_another_library_put_on_top_keeps_that_class():
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_checkpointed_decoder_layers_get_no_cache_to_append_to_again(compiled):
+def test_checkpointed_decoder_layers_get_no_cache_to_append_to_again(compiled, monkeypatch):
     """A transformers decoder layer appends its keys and values to the cache it is given; recomputed in backward
     it would append them again (compiled, GPT-2 then failed with a shape error; eagerly the returned cache held
     every layer's keys twice). Checkpointed layers get no cache, as transformers' own checkpointing does, and
@@ -827,6 +886,7 @@ def test_checkpointed_decoder_layers_get_no_cache_to_append_to_again(compiled):
         vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0)).train()
     wrapped = auto_checkpoint(copy.deepcopy(plain))
+    monkeypatch.setattr(checkpoint_module, "_cache_warned", False)  # once per process
     ids = torch.randint(0, 97, (2, 16))
     plain_out = plain(input_ids=ids, labels=ids)
     assert plain_out.past_key_values.get_seq_length() == 16  # the plain model's cache, built by use_cache
