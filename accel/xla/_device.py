@@ -57,6 +57,36 @@ def _start_compile_cache(torch_xla) -> None:
     xr.initialize_cache(wanted, readonly=read_only)
 
 
+_autograd_checked = False
+
+
+def _check_autograd_reaches_xla(device: torch.device) -> None:
+    """Raise a clear error, once per process, where torch's autograd cannot run a backward on XLA tensors.
+
+    The autograd engine sizes its per-device queues when the process's first backward starts, from the device
+    counts known then; torch_xla knows its devices once its runtime has started (the first device call), not
+    at import. A backward that ran before (a CPU reference model, a test) leaves XLA no queue, and every later
+    XLA backward fails with torch's "device_ready_queues_ ... INTERNAL ASSERT FAILED" (pytorch/xla#4174). A
+    backward over one lazy scalar finds out here, at the device's first use, and costs no compilation (its
+    lazy result is dropped unexecuted)."""
+    global _autograd_checked
+    if _autograd_checked:
+        return
+    probe = torch.zeros((), device=device, requires_grad=True)
+    try:
+        with torch.enable_grad():
+            torch.autograd.grad(probe * 2.0, probe)
+    except RuntimeError as exc:
+        if "device_ready_queues_" not in str(exc):
+            raise
+        raise RuntimeError(
+            "torch's autograd engine started before the XLA device did (a backward ran earlier in this process), "
+            "so it cannot run a backward on XLA tensors (pytorch/xla#4174): get the device first "
+            "(accel.xla.xla_device(), or accel.accelerate() with backend='xla'), before the first backward"
+        ) from None
+    _autograd_checked = True
+
+
 def xla_device(n: int | None = None) -> torch.device:
     """This process's XLA device (the n-th one when several are visible)."""
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
@@ -64,10 +94,13 @@ def xla_device(n: int | None = None) -> torch.device:
     torch_xla = require_xla("accel.xla.xla_device()")
     _start_compile_cache(torch_xla)
     if hasattr(torch_xla, "device"):
-        return torch_xla.device(n)
-    import torch_xla.core.xla_model as xm
+        device = torch_xla.device(n)
+    else:
+        import torch_xla.core.xla_model as xm
 
-    return xm.xla_device(n)
+        device = xm.xla_device(n)
+    _check_autograd_reaches_xla(device)
+    return device
 
 
 def _as_device(value, name: str) -> torch.device:

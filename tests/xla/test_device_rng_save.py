@@ -116,3 +116,29 @@ def test_save_writes_like_torch_save_would(tmp_path):
     with pytest.raises(FileNotFoundError) as info:
         xm.save({}, missing)
     assert info.value.filename == str(missing)
+
+
+def test_a_backward_before_torch_xla_is_imported_is_named_at_the_device():
+    """torch's autograd engine sizes its device queues at the process's first backward: one run before the XLA
+    runtime started (importing torch_xla is not enough) leaves XLA none, and XLA backwards fail with an internal
+    assert (pytorch/xla#4174). xla_device() says so, and what to do, instead."""
+    import subprocess
+    import sys
+
+    from tests.xla._helpers import REPO
+
+    script = ("import torch\n"
+              "x = torch.ones(2, requires_grad=True); x.sum().backward()\n"
+              "import torch_xla, accel.xla\n"
+              "accel.xla.xla_device()\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": REPO, "PJRT_DEVICE": "CPU"})
+    assert proc.returncode != 0
+    assert "before the XLA device did" in proc.stderr and "pytorch/xla#4174" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_backward_on_the_device_after_its_check():
+    dev = xm.xla_device()
+    y = torch.arange(3.0, device=dev, requires_grad=True)
+    (y * y).sum().backward()
+    torch.testing.assert_close(y.grad.cpu(), torch.tensor([0.0, 2.0, 4.0]))
