@@ -34,8 +34,9 @@ What it does, in order (each step says why it sits where it does):
    module's own dropout layer where step 4 swapped it.
 7. compile (compute.compile): cuda and cpu compile the module in place with torch.compile, static
    shapes (one graph per bucket shape), CUDA graphs on cuda when compute.cuda_graphs (a graph Inductor runs
-   without them gets a CudaGraphSkipWarning with its reason: accel.compiler.cudagraph_skips). On xla the
-   lazy-tensor device itself is the compiler.
+   without them gets a CudaGraphSkipWarning with its reason: accel.compiler.cudagraph_skips); calls carrying a
+   key/value cache (generate()) run uncompiled (accel.compiler.decoding). On xla the lazy-tensor device itself
+   is the compiler.
    Optimizers the user builds over the model's parameters (cuda, cpu): torch Adam/AdamW at their defaults
    switch to torch's fused kernel, and steps are compiled where that pays (accel.compiler.optimizer); with
    compute.optimizer_cuda_graphs (off until measured) the compiled steps are CUDA-graph replays too.
@@ -183,6 +184,7 @@ def _apply_kernels(model: nn.Module, kernels: frozenset[str]) -> None:
 
 
 def _compile(model: nn.Module, backend: str, cuda_graphs: bool, n_shapes: int, inductor_options: dict) -> None:
+    from accel.compiler.decoding import eager_when_decoding
     from accel.utils.dynamo import allow_recompiles
 
     # One graph per static shape (bucket lengths, plus a short last batch of each): keep them all cached.
@@ -192,6 +194,7 @@ def _compile(model: nn.Module, backend: str, cuda_graphs: bool, n_shapes: int, i
         model.compile(dynamic=False, options={**inductor_options, "triton.cudagraphs": graphs})
     else:
         model.compile(dynamic=False, mode="reduce-overhead" if graphs else None)
+    eager_when_decoding(model)  # generate() grows its cache by a token a call: one shape each, uncompiled
     if graphs:  # a .grad kept past its step (zero_grad(set_to_none=False), micro-batches) must outlive replays
         from accel.compiler import cudagraph_skips
         from accel.compiler.graph_pool_grads import keep_grads_out_of_graph_pool

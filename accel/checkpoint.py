@@ -70,7 +70,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import sys
 import types
 import warnings
 from collections import defaultdict
@@ -81,6 +80,7 @@ import torch
 from torch import nn
 
 from accel.utils.batch import iter_tensors
+from accel.utils.transformers_models import kv_cache_types
 
 __all__ = ["auto_checkpoint", "remove_checkpoint", "checkpoint_plan", "find_repeated_blocks", "find_block_stacks",
            "find_blocks_by_class", "activation_bytes", "CheckpointPlan"]
@@ -314,8 +314,7 @@ _cache_warned = False
 
 def _find_cache_types() -> None:
     global _CACHE_TYPES
-    cache_utils = sys.modules.get("transformers.cache_utils")
-    _CACHE_TYPES = (cache_utils.Cache,) if hasattr(cache_utils, "Cache") else ()
+    _CACHE_TYPES = kv_cache_types()
 
 
 def _without_caches(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -1,7 +1,16 @@
 """Recognising a transformers model without importing transformers (it is optional)."""
 from __future__ import annotations
 
+import sys
+
 
 def is_transformers_model(model) -> bool:
     """Whether `model` is an instance of a class defined in transformers and carries a `.config`."""
     return getattr(model, "config", None) is not None and type(model).__module__.startswith("transformers.")
+
+
+def kv_cache_types() -> tuple[type, ...]:
+    """transformers' key/value cache base class, as a tuple for isinstance; () while transformers.cache_utils is
+    not loaded (no cache can exist before it is)."""
+    cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    return (cache,) if isinstance(cache, type) else ()
