@@ -58,6 +58,14 @@ def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_same_grads(model, reference):
+    expected = grads(reference)
+    got = grads(model)
+    assert got.keys() == expected.keys()
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def count_calls(modules):
     """Forward calls of each module, via forward hooks (independent of the wrapper)."""
     counts = {id(m): 0 for m in modules}
@@ -147,9 +155,7 @@ def test_an_encoder_decoder_checkpoints_both_stacks_with_the_plain_gradients():
     wrapped(input_ids=ids, labels=labels).loss.backward()
     assert set(calls.values()) == {2}  # forward, then the recomputation in backward
     plain(input_ids=ids, labels=labels).loss.backward()
-    expected = grads(plain)
-    for name, grad in grads(wrapped).items():
-        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert_same_grads(wrapped, plain)
 
 
 # --------------------------------------------------------------------------- same results
@@ -901,6 +907,4 @@ def test_checkpointed_decoder_layers_get_no_cache_to_append_to_again(compiled, m
     assert out.past_key_values is None or out.past_key_values.get_seq_length() == 0
     assert compiled or any("no key/value cache" in str(w.message) for w in caught)
     torch.testing.assert_close(out.loss, plain_out.loss)
-    expected = grads(plain)
-    for name, grad in grads(wrapped).items():
-        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert_same_grads(wrapped, plain)
