@@ -288,7 +288,9 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         config.dist.sizes(distributed.start_process_group(backend))
     device = _device(backend)
     dtype = _autocast_dtype(config, backend)
-    onednn_products = _onednn_products(config.compute.cpu_gemm, backend)
+    # Under autocast the products run in bf16/fp16, where oneDNN is torch's own choice already (asked of every
+    # rank all the same: the probe's agreement is a collective).
+    onednn_products = _onednn_products(config.compute.cpu_gemm, backend) and dtype is None
     compiled = config.compute.compile and backend != "xla"
 
     if config.memory.keep_freed_memory and _runs_on_cpu(backend):

@@ -180,10 +180,11 @@ class Skip(Exception):
 
 @dataclasses.dataclass
 class Workload:
-    kind: str            # "fixed" or "guide"
+    kind: str            # "fixed" or "guide" (benchmarks/causal_lm.py: "causal")
     batch: int
     max_length: int      # fixed: every sample's length; guide: the longest a sample may be
     samples: list[dict]
+    peer_dynamic: bool | None = None  # the peer's torch.compile(dynamic=...); None: Dynamo's automatic shapes
 
     @property
     def name(self) -> str:
@@ -450,7 +451,7 @@ def setup_peer(ctx: Context) -> Run:
     device, dtype = ctx.device, fast_dtype(ctx.device)
     model = copy.deepcopy(ctx.initial_model).to(device)
     cuda_graphs = device.type == "cuda"
-    compiled = torch.compile(model, mode="reduce-overhead" if cuda_graphs else None)
+    compiled = torch.compile(model, mode="reduce-overhead" if cuda_graphs else None, dynamic=ctx.workload.peer_dynamic)
     fused = fused_adamw_supported(device)
     # lr as a tensor: a scheduler changing it would otherwise recompile the optimizer step
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(ctx.lr, device=device), fused=fused)
@@ -538,7 +539,7 @@ def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_onl
         raise Skip("accel.accelerate() is not in this checkout yet (accel/accelerate.py)")
     config = accel.Config()
     config.compute.bf16 = True  # accelerate() stays fp32 (and says so) where bf16 is not native
-    if ctx.workload.kind == "guide":
+    if ctx.workload.kind != "fixed":  # samples of many lengths: packed rows
         config.dataloader.pack = True
         config.dataloader.max_length = ctx.workload.max_length
     else:  # the step reads nothing but the loss: an all-ones mask may go (unmasked SDPA)

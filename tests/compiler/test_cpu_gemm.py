@@ -106,6 +106,17 @@ def test_auto_takes_onednn_only_where_every_rank_found_it_faster(monkeypatch):
     assert not any(isinstance(m, OneDNNLinear) for m in model.modules())
 
 
+def test_under_autocast_the_products_are_not_fp32_and_stay_torchs(monkeypatch):
+    import accel.utils.cpu as cpu
+
+    monkeypatch.setattr(onednn, "onednn_speedup", lambda: 2.0)
+    monkeypatch.setattr(cpu, "native_bf16", lambda: True)  # bf16 autocast, whatever this CPU has
+    config = Config(backend="cpu")
+    config.compute.bf16, config.compute.cpu_gemm, config.compute.compile = True, "onednn", False
+    model = accel.accelerate(_mlp(), None, config)
+    assert not any(isinstance(m, OneDNNLinear) for m in model.modules())
+
+
 def test_cpu_gemm_onednn_without_onednn_is_an_error(monkeypatch):
     monkeypatch.setattr(onednn, "onednn_available", lambda: False)
     with pytest.raises(ValueError, match="compute.cpu_gemm: 'onednn' asked for"):

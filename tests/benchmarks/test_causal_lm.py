@@ -1,0 +1,31 @@
+"""benchmarks/causal_lm.py: the --quick run writes a row per mode, accel's on packed rows, and passes its loss
+check; its collator pads as a causal LM's does."""
+import json
+
+import torch
+
+from accel.data.packing import LABEL_PAD
+from benchmarks import causal_lm
+
+
+def test_quick_run_packs_accels_rows_and_passes_the_loss_check(tmp_path):
+    status = causal_lm.main(["--quick", "--modes", "eager,peer,accel", "--results-dir", str(tmp_path),
+                             "--out", "quick"])
+    result = json.loads((tmp_path / "quick.json").read_text())
+    assert status == 0 and result["loss_check"]["verdict"] == "PASS"
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert set(rows) == {"eager", "peer", "accel"} and all(r["status"] == "ok" for r in rows.values())
+    assert "packed rows" in rows["accel"]["precision"] and not rows["accel"]["same_data"]
+    assert rows["eager"]["same_data"] and rows["eager"]["speedup_vs_eager"] == 1.0
+    assert (tmp_path / "quick.png").exists()
+
+
+def test_collator_pads_ids_masks_and_labels_as_a_causal_lm_expects():
+    samples = [{"input_ids": torch.tensor([5, 6, 7]), "labels": torch.tensor([5, 6, 7])},
+               {"input_ids": torch.tensor([8]), "labels": torch.tensor([8])}]
+    batch = causal_lm.pad_for_causal_lm(samples)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[5, 6, 7], [8, LABEL_PAD, LABEL_PAD]]
+    lengths = causal_lm.instruction_lengths(1000, 512, seed=0)
+    assert min(lengths) >= 16 and max(lengths) == 512 and 120 < sorted(lengths)[500] < 260
