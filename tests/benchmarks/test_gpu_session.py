@@ -122,3 +122,15 @@ def test_kernels_past_its_budget_skips_cases_and_still_writes_its_table(tmp_path
     assert result["rows"] == []
     assert result["skipped"] and all(s["op"].startswith("quick_gelu") for s in result["skipped"])
     assert all("--budget-s 0" in s["reason"] for s in result["skipped"])
+
+
+def test_causal_lm_runs_only_when_named_and_takes_its_arguments(tmp_path):
+    for name in ("default", "named"):
+        (tmp_path / name).mkdir()
+    proc, out = _session(tmp_path / "default")
+    assert "causal_lm" not in _steps_run(out)
+    proc, out = _session(tmp_path / "named", "causal_lm", CAUSAL_ARGS="--steps 3 --modes peer,accel")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _steps_run(out) == ["causal_lm"]
+    args = (out / "causal_lm.log").read_text().split()
+    assert args[:1] == ["benchmarks/causal_lm.py"] and args[1:] == ["--steps", "3", "--modes", "peer,accel"]
