@@ -6,8 +6,9 @@
     accel.remove_checkpoint(model)                                  # undo
 
 Finding the blocks. Every nn.ModuleList / nn.Sequential in the model is split into groups of children
-with the same structure (same module types all the way down, same parameter names and shapes), joined by
-lone children of the same class (T5's first layer, a ResNet stage's downsampling block). The
+with the same structure (the same types of the modules holding parameters, all the way down, and the same
+parameter names and shapes), joined by lone children of the same class (T5's first layer, a ResNet stage's
+downsampling block). The
 group holding the most parameters comes first (ties: more members, then the outermost): the layers of a
 transformer encoder, the blocks of a ResNet stage or of an MLP stack. Every other such group of blocks
 that lies outside it is taken too (find_block_stacks): an encoder-decoder's encoder and decoder layers,
