@@ -208,7 +208,8 @@ class DataLoaderConfig(_Section):
     pad_value_dict: the value each padded field gets (fields not named are padded with 0).
     pack: pack several samples into each row of max_length tokens instead (accel.data.packing):
         no padding but the row tail; the samples stay apart (see accel.data.packing). Encoders (masked LM,
-        token and sequence classification) and causal language models (accel.compiler.packed.PackedModel).
+        token and sequence classification), causal language models and decoders' sequence classifiers
+        (accel.compiler.packed.PackedModel).
     drop_full_masks: a batch whose attention_mask is all ones reaches a transformers model without that key
         (accel.data.full_mask), so attention runs unmasked (FlashAttention on CUDA). Opt-in: the training loop
         then sees batches without "attention_mask". Not with buckets or pack, whose batches keep their masks.

@@ -6,7 +6,8 @@ sequence-classification head pools only the row's first token, so a row would ge
 one per sample. `document_mask` keeps attention inside each sample (a FlexAttention BlockMask, or a 4-D mask
 for SDPA and eager attention; transformers' mask builders return any 4-D mask unchanged, so it reaches every
 attention layer as built), and `PackedModel` runs the model with that mask and the restarting position ids.
-For sequence classification it pools each sample's first token and takes the loss over the samples. For a
+For sequence classification it pools each sample's first token (a decoder's classifier: scores its last token)
+and takes the loss over the samples. For a
 causal language model the mask is causal within each sample too, and the label of each sample's first token
 is ignored: the model's loss shifts the labels by one, so that label is what the previous sample's last token
 would otherwise be trained to predict. A packed batch then gives each sample the same logits, loss and
@@ -133,8 +134,9 @@ class PackedModel(nn.Module):
     per-token loss is used), or ForSequenceClassification with a BERT-style head (`model.base_model.pooler`
     pooling the first token, then `model.dropout` and `model.classifier`), single-label classification only;
     causal language models whose class name ends in ForCausalLM or LMHeadModel (the model's own loss on its
-    shifted labels, each sample's first label ignored); attention "flex_attention", "sdpa", "accel_sdpa" or
-    "eager". Encoder-decoder models are not supported.
+    shifted labels, each sample's first label ignored), and a decoder's ForSequenceClassification (a `score`
+    layer over each sample's last token, as GPT-2's, Llama's or Mistral's; single-label); attention
+    "flex_attention", "sdpa", "accel_sdpa" or "eager". Encoder-decoder models are not supported.
 
     The wrapped model is `self.model`, unchanged, and shares its parameters. `state_dict()` and
     `load_state_dict()` use the wrapped model's keys (no "model." prefix), so checkpoints move freely between
@@ -176,8 +178,11 @@ class PackedModel(nn.Module):
         elif name.endswith(_TOKEN_HEADS):
             self.head = "token"
         elif name.endswith(_SEQUENCE_HEAD):
-            self.head = "sequence"
-            self._check_sequence_head(model)
+            # a decoder's classifier scores its last token (GPT-2, Llama, Mistral: `score`, no pooler)
+            scores_last = isinstance(getattr(model, "score", None), nn.Module) and getattr(
+                model.base_model, "pooler", None) is None
+            self.head = "last_token" if scores_last else "sequence"
+            self._check_sequence_head(model, self.head)
         else:
             raise ValueError(f"model {name} has an unsupported head; PackedModel supports "
                              f"*{', *'.join(_TOKEN_HEADS + _CAUSAL_HEADS)} and *{_SEQUENCE_HEAD}")
@@ -188,8 +193,15 @@ class PackedModel(nn.Module):
         self.register_load_state_dict_pre_hook(_load_state_dict_into_wrapper)
 
     @staticmethod
-    def _check_sequence_head(model: nn.Module) -> None:
+    def _check_sequence_head(model: nn.Module, head: str) -> None:
         name, config = type(model).__name__, model.config
+        problem = getattr(config, "problem_type", None)
+        if config.num_labels < 2 or problem in ("regression", "multi_label_classification"):
+            raise ValueError(f"model {name} is set up for {problem or 'regression'} (num_labels="
+                             f"{config.num_labels}); PackedModel supports single-label classification only, as "
+                             "packed rows carry one class id per sample")
+        if head == "last_token":
+            return
         pooler = getattr(model.base_model, "pooler", None)
         if not isinstance(pooler, nn.Module):
             raise ValueError(f"model {name} has no pooler on its base model; PackedModel's sequence "
@@ -198,11 +210,6 @@ class PackedModel(nn.Module):
             if not isinstance(getattr(model, part, None), nn.Module):
                 raise ValueError(f"model {name} has no .{part}; PackedModel's sequence classification needs "
                                  "the BERT head pooler -> dropout -> classifier")
-        problem = getattr(config, "problem_type", None)
-        if config.num_labels < 2 or problem in ("regression", "multi_label_classification"):
-            raise ValueError(f"model {name} is set up for {problem or 'regression'} (num_labels="
-                             f"{config.num_labels}); PackedModel supports single-label classification only, as "
-                             "packed rows carry one class id per sample")
         if not _pools_first_token(pooler, config.hidden_size):
             raise ValueError(f"model {name}'s pooler ({type(pooler).__name__}) does not pool the first token "
                              "of [N, T, H] into [N, H]; PackedModel cannot pool each packed sample with it")
@@ -259,27 +266,28 @@ class PackedModel(nn.Module):
             raise RuntimeError("flex_attention cannot train on the CPU: Inductor has no FlexAttention backward "
                                "there (pytorch/pytorch#169224); use attn_implementation='sdpa' on the CPU, or "
                                "run the forward under torch.no_grad()")
-        mask = document_mask(segment_ids, backend, dtype=self.model.dtype, causal=self.head == "causal")
+        decoder = self.head in ("causal", "last_token")
+        mask = document_mask(segment_ids, backend, dtype=self.model.dtype, causal=decoder)
+        if token_type_ids is not None:  # not every model takes them (Llama does not)
+            kwargs["token_type_ids"] = token_type_ids
+        if decoder:
+            # A training step has no use for the key/value cache, and a checkpointed layer would append to it
+            # again when recomputed.
+            kwargs.setdefault("use_cache", False)
         if self.head in ("token", "causal"):
             if labels is not None and labels.shape != input_ids.shape:
                 raise ValueError(f"labels must be per-token {tuple(input_ids.shape)} for {type(self.model).__name__}"
                                  f", got {tuple(labels.shape)}")
-            if token_type_ids is not None:  # not every model takes them (Llama does not)
-                kwargs["token_type_ids"] = token_type_ids
-            if self.head == "causal":
-                # A training step has no use for the key/value cache, and a checkpointed layer would append to it
-                # again when recomputed.
-                kwargs.setdefault("use_cache", False)
-                if labels is not None:
-                    # The loss pairs the logits at t with the label at t + 1: a sample's first label is the target
-                    # of the previous sample's last token, which must not learn across the boundary.
-                    previous = F.pad(segment_ids[:, :-1], (1, 0), value=-1)
-                    labels = labels.masked_fill(segment_ids != previous, LABEL_PAD)
+            if self.head == "causal" and labels is not None:
+                # The loss pairs the logits at t with the label at t + 1: a sample's first label is the target of
+                # the previous sample's last token, which must not learn across the boundary.
+                previous = F.pad(segment_ids[:, :-1], (1, 0), value=-1)
+                labels = labels.masked_fill(segment_ids != previous, LABEL_PAD)
             return self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, labels=labels,
                               **kwargs)
-        return self._classify(input_ids, position_ids, segment_ids, token_type_ids, labels, seq_lens, mask, kwargs)
+        return self._classify(input_ids, position_ids, segment_ids, labels, seq_lens, mask, kwargs)
 
-    def _classify(self, input_ids, position_ids, segment_ids, token_type_ids, labels, seq_lens, mask, kwargs):
+    def _classify(self, input_ids, position_ids, segment_ids, labels, seq_lens, mask, kwargs):
         from transformers.modeling_outputs import SequenceClassifierOutput
 
         batch, length = input_ids.shape
@@ -295,14 +303,17 @@ class PackedModel(nn.Module):
             raise ValueError(f"labels must be one class id per segment, [B, S] = {(batch, segments)}, "
                              f"got {tuple(labels.shape)}")
 
-        # First token of segment s in each row, from comparisons rather than a scatter: static shapes, and a
-        # segment id above S cannot index out of bounds. A row without segment s gets L.
+        # The token the head reads in segment s of each row (the first for a BERT pooler, the last for a
+        # decoder's score), from comparisons rather than a scatter: static shapes, and a segment id above S cannot
+        # index out of bounds. A row without segment s reads a stand-in token.
         positions = torch.arange(length, device=segment_ids.device)
         wanted = torch.arange(1, segments + 1, device=segment_ids.device).view(1, segments, 1)
         in_segment = segment_ids.unsqueeze(1) == wanted  # [B, S, L]
-        first = torch.where(in_segment, positions, length).amin(dim=-1)  # [B, S]
-        present = first < length
-        rows = first.clamp(max=length - 1)
+        present = in_segment.any(dim=-1)  # [B, S]
+        if self.head == "sequence":
+            rows = torch.where(in_segment, positions, length - 1).amin(dim=-1)
+        else:
+            rows = torch.where(in_segment, positions, 0).amax(dim=-1)
 
         base = self.model.base_model
         # The last layer computes only the rows the pooler reads (see __init__), unless the call asks to see
@@ -311,17 +322,19 @@ class PackedModel(nn.Module):
         if last is not None:
             last.rows = rows
         try:
-            out = base(input_ids=input_ids, attention_mask=mask, token_type_ids=token_type_ids,
-                       position_ids=position_ids, return_dict=True, **kwargs)
+            out = base(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, return_dict=True, **kwargs)
         finally:
             if last is not None:
                 last.rows = None
         hidden = out.last_hidden_state  # [B, S, H] from the cut last layer, else [B, L, H]
-        first_hidden = hidden if last is not None else hidden.gather(
+        read = hidden if last is not None else hidden.gather(
             1, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, S, H]
-        # The pooler takes token 0 of each [1, H] "sequence": one pooled vector per sample.
-        pooled = base.pooler(first_hidden.reshape(batch * segments, 1, hidden.shape[-1]))
-        logits = self.model.classifier(self.model.dropout(pooled)).view(batch, segments, -1)
+        if self.head == "last_token":
+            logits = self.model.score(read)
+        else:
+            # The pooler takes token 0 of each [1, H] "sequence": one pooled vector per sample.
+            pooled = base.pooler(read.reshape(batch * segments, 1, hidden.shape[-1]))
+            logits = self.model.classifier(self.model.dropout(pooled)).view(batch, segments, -1)
         # No sample there: zeros rather than logits computed from a stand-in token.
         logits = logits.masked_fill(~present.unsqueeze(-1), 0.0)
 

@@ -469,3 +469,71 @@ def test_causal_document_mask_by_hand():
     flex = document_mask(segments, FLEX, causal=True)
     zero = torch.zeros((), dtype=torch.long)
     assert torch.equal(flex.mask_mod(zero, zero, torch.arange(6).view(6, 1), torch.arange(6).view(1, 6)), expected)
+
+
+# A decoder's sequence classifier (reward models, classification with GPT-2/Llama) scores each sample's last
+# token: transformers' ForSequenceClassification of a decoder, `score` over the last non-pad token.
+def _decoder_classifier(family, attn_implementation):
+    decoder = _decoder(family, attn_implementation)
+    config = decoder.config
+    config.num_labels, config.pad_token_id = NUM_LABELS, 0
+    cls = transformers.GPT2ForSequenceClassification if family == "gpt2" else transformers.LlamaForSequenceClassification
+    return cls(config)
+
+
+def _classifier_models(family, backend, device):
+    if backend == FLEX and family == "gpt2":
+        pytest.skip("transformers runs GPT-2 without flex_attention (GPT2LMHeadModel._supports_flex_attn is False)")
+    if backend == ACCEL_SDPA:
+        unpadded_attention(transformers.BertForSequenceClassification(_config("sdpa")))  # registers it
+    torch.manual_seed(0)
+    model = _decoder_classifier(family, backend).to(device).train()
+    reference = _decoder_classifier(family, "eager").to(device).train()
+    reference.load_state_dict(model.state_dict())
+    packed = PackedModel(model)
+    assert packed.head == "last_token"
+    return packed, reference
+
+
+def _class_samples(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist(),
+             "labels": int(torch.randint(0, NUM_LABELS, (), generator=g))} for n in LENGTHS]
+
+
+def _alone_classified(reference, sample, device):
+    return reference(input_ids=torch.tensor([sample["input_ids"]], device=device),
+                     labels=torch.tensor([sample["labels"]], device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", DECODERS)
+def test_packed_decoder_classifier_matches_each_sample_alone(family, backend, device):
+    packed, reference = _classifier_models(family, backend, device)
+    samples = _class_samples()
+    ds, batch = _packed(samples, device)
+    tol = _tolerance(device)
+    with torch.no_grad():
+        out = packed(**batch)
+        for r, s, _, i in _placements(ds):
+            torch.testing.assert_close(out["logits"][r, s], _alone_classified(reference, samples[i], device).logits[0],
+                                       **tol)
+        expected = sum(_alone_classified(reference, sample, device).loss for sample in samples) / len(samples)
+    torch.testing.assert_close(out["loss"], expected, **tol)
+    missing = batch["seq_lens"] == 0
+    assert missing.any() and (out["logits"][missing] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", DECODERS)
+def test_packed_decoder_classifier_gradients_match_each_sample_alone(family, device):
+    packed, reference = _classifier_models(family, "sdpa", device)
+    samples = _class_samples(seed=1)
+    _, batch = _packed(samples, device)
+    packed(**batch)["loss"].backward()
+    (sum(_alone_classified(reference, sample, device).loss for sample in samples) / len(samples)).backward()
+    reference_params = dict(reference.named_parameters())
+    for name, param in packed.model.named_parameters():
+        torch.testing.assert_close(param.grad, reference_params[name].grad, rtol=1e-4 if device == "cpu" else 1e-3,
+                                   atol=1e-6 if device == "cpu" else 1e-5, msg=lambda m: f"{name}: {m}")
