@@ -37,7 +37,7 @@ _CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
 
 
 def document_mask(segment_ids: torch.Tensor, backend: str, dtype: torch.dtype = torch.float32,
-                  causal: bool = False) -> BlockMask | torch.Tensor:
+                  causal: bool = False, window: int | None = None) -> BlockMask | torch.Tensor:
     """The attention mask that lets each token of a packed batch see only its own sample.
 
     Padding (segment 0) attends to padding only, so no softmax row is empty and padding never reaches a sample.
@@ -47,6 +47,8 @@ def document_mask(segment_ids: torch.Tensor, backend: str, dtype: torch.dtype = 
         backend: the model's `config._attn_implementation`: "flex_attention", "sdpa", "accel_sdpa" or "eager".
         dtype: the model's floating dtype; used only by the additive mask for "eager".
         causal: each token sees only its own sample's tokens up to itself (a decoder's attention).
+        window: with causal, each token sees only the last `window` of those, itself included (sliding-window
+            attention: transformers' Mistral, Gemma's local layers).
 
     Returns:
         "flex_attention": a BlockMask of shape (B, 1, L, L) on segment_ids' device.
@@ -55,6 +57,8 @@ def document_mask(segment_ids: torch.Tensor, backend: str, dtype: torch.dtype = 
             model's dtype.
         "eager": an additive float tensor [B, 1, L, L] in `dtype`: 0 where allowed, dtype's minimum elsewhere.
     """
+    if window is not None and (not causal or isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None or a positive int, with causal=True; got {window!r}")
     if not isinstance(segment_ids, torch.Tensor) or segment_ids.dim() != 2:
         shape = tuple(segment_ids.shape) if isinstance(segment_ids, torch.Tensor) else type(segment_ids).__name__
         raise ValueError(f"segment_ids must be a [B, L] tensor, got {shape}")
@@ -69,9 +73,12 @@ def document_mask(segment_ids: torch.Tensor, backend: str, dtype: torch.dtype = 
         def same_segment_causal(b, h, q_idx, kv_idx):
             return (segment_ids[b, q_idx] == segment_ids[b, kv_idx]) & (q_idx >= kv_idx)
 
+        def same_segment_window(b, h, q_idx, kv_idx):
+            return same_segment_causal(b, h, q_idx, kv_idx) & (q_idx - kv_idx < window)
+
+        mask_mod = same_segment_window if window is not None else same_segment_causal if causal else same_segment
         # H=None: one mask shared by every head.
-        return create_block_mask(same_segment_causal if causal else same_segment, batch, None, length, length,
-                                 device=segment_ids.device)
+        return create_block_mask(mask_mod, batch, None, length, length, device=segment_ids.device)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not dtype.is_floating_point:
@@ -79,12 +86,27 @@ def document_mask(segment_ids: torch.Tensor, backend: str, dtype: torch.dtype = 
     allowed = block_diagonal_mask(segment_ids, "bool").unsqueeze(1)  # [B, 1, L, L]
     if causal:
         length = segment_ids.shape[1]
-        allowed = allowed & torch.ones(length, length, dtype=torch.bool, device=allowed.device).tril()
+        ones = torch.ones(length, length, dtype=torch.bool, device=allowed.device)
+        allowed = allowed & (ones.tril() if window is None else ones.tril() & ones.triu(1 - window))
     if backend in (SDPA, ACCEL_SDPA):
         return allowed
     # Built from the bool mask on segment_ids' device (block_diagonal_mask's additive form allocates on the CPU).
     zero = torch.zeros((), dtype=dtype, device=segment_ids.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def sliding_window(config) -> tuple[int | None, bool]:
+    """(window, whether every layer slides) of a transformers decoder with sliding-window attention, else
+    (None, False): Mistral's layers all slide, Gemma's alternate local (sliding) and global layers
+    (config.layer_types), Qwen2 slides only with use_sliding_window."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None, False
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return window, True
+    sliding = [t == "sliding_attention" for t in types]
+    return (window, all(sliding)) if any(sliding) else (None, False)
 
 
 def _pools_first_token(pooler: nn.Module, hidden_size: int) -> bool:
@@ -136,7 +158,9 @@ class PackedModel(nn.Module):
     causal language models whose class name ends in ForCausalLM or LMHeadModel (the model's own loss on its
     shifted labels, each sample's first label ignored), and a decoder's ForSequenceClassification (a `score`
     layer over each sample's last token, as GPT-2's, Llama's or Mistral's; single-label); attention
-    "flex_attention", "sdpa", "accel_sdpa" or "eager". Encoder-decoder models are not supported.
+    "flex_attention", "sdpa", "accel_sdpa" or "eager". A decoder with sliding-window attention keeps its window
+    inside each sample (Mistral: every layer; Gemma: its local layers, through transformers' mask per kind of
+    layer). Encoder-decoder models are not supported.
 
     The wrapped model is `self.model`, unchanged, and shares its parameters. `state_dict()` and
     `load_state_dict()` use the wrapped model's keys (no "model." prefix), so checkpoints move freely between
@@ -268,6 +292,11 @@ class PackedModel(nn.Module):
                                "run the forward under torch.no_grad()")
         decoder = self.head in ("causal", "last_token")
         mask = document_mask(segment_ids, backend, dtype=self.model.dtype, causal=decoder)
+        window, every_layer = sliding_window(self.model.config) if decoder else (None, False)
+        if window is not None and window < input_ids.shape[1]:  # a shorter row is within any window
+            local = document_mask(segment_ids, backend, dtype=self.model.dtype, causal=True, window=window)
+            # transformers' models with local and global layers take one mask per kind of layer
+            mask = local if every_layer else {"full_attention": mask, "sliding_attention": local}
         if token_type_ids is not None:  # not every model takes them (Llama does not)
             kwargs["token_type_ids"] = token_type_ids
         if decoder:

@@ -6,7 +6,7 @@ padding, default position ids), so neither the mask nor the packing code is shar
 import pytest
 import torch
 
-from accel.compiler.packed import FLEX, PackedModel, document_mask
+from accel.compiler.packed import FLEX, PackedModel, document_mask, sliding_window
 from accel.compiler.unpadded_attention import ACCEL_SDPA, unpadded_attention
 from accel.data.packing import LABEL_PAD, PackedCollator, PackedDataset, block_diagonal_mask
 
@@ -537,3 +537,66 @@ def test_packed_decoder_classifier_gradients_match_each_sample_alone(family, dev
     for name, param in packed.model.named_parameters():
         torch.testing.assert_close(param.grad, reference_params[name].grad, rtol=1e-4 if device == "cpu" else 1e-3,
                                    atol=1e-6 if device == "cpu" else 1e-5, msg=lambda m: f"{name}: {m}")
+
+
+# Sliding-window attention: a token sees only the last W tokens of its sample. Mistral's layers all slide; Gemma's
+# alternate local (sliding) and global layers, and take a mask per kind of layer. Samples longer than W = 4 and
+# rows of 16 make the window matter (without it the logits were 0.13 (Mistral) and 0.45 (Gemma 2) off).
+SLIDING = [("mistral", "sdpa"), ("mistral", "eager"), ("gemma2", "eager")]  # Gemma 2 has no SDPA in transformers
+
+
+def _sliding_decoder(family, attn_implementation):
+    settings = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32, sliding_window=4,
+                    attn_implementation=attn_implementation)
+    if family == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**settings))
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**settings, head_dim=8))
+
+
+@pytest.mark.parametrize("family, backend", SLIDING)
+def test_packed_sliding_window_decoders_match_each_sample_alone(family, backend):
+    torch.manual_seed(0)
+    model = _sliding_decoder(family, backend).train()
+    reference = _sliding_decoder(family, "eager").train()
+    reference.load_state_dict(model.state_dict())
+    packed = PackedModel(model)
+    samples = _causal_samples(seed=2)
+    assert max(len(s["input_ids"]) for s in samples) > model.config.sliding_window
+    ds, batch = _packed(samples, "cpu")
+    out = packed(**batch)
+    out["loss"].backward()
+    weights = _causal_loss_weights(samples)
+    expected_loss = 0.0
+    for r, _, offset, i in _placements(ds):
+        alone = _causal_alone(reference, samples[i], "cpu")
+        n = len(samples[i]["input_ids"])
+        torch.testing.assert_close(out["logits"][r, offset:offset + n], alone.logits[0], **_tolerance("cpu"))
+        expected_loss = expected_loss + weights[i] * alone.loss
+    torch.testing.assert_close(out["loss"], expected_loss, **_tolerance("cpu"))
+    expected_loss.backward()
+    reference_params = dict(reference.named_parameters())
+    for name, param in packed.model.named_parameters():
+        torch.testing.assert_close(param.grad, reference_params[name].grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_sliding_window_document_mask_by_hand_and_the_configs_that_slide():
+    segments = torch.tensor([[1, 1, 1, 1, 2, 2]])
+    expected = torch.tensor([[1, 0, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0, 0],
+                             [0, 1, 1, 0, 0, 0],
+                             [0, 0, 1, 1, 0, 0],
+                             [0, 0, 0, 0, 1, 0],
+                             [0, 0, 0, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(document_mask(segments, "sdpa", causal=True, window=2)[0, 0], expected)
+    flex = document_mask(segments, FLEX, causal=True, window=2)
+    zero = torch.zeros((), dtype=torch.long)
+    assert torch.equal(flex.mask_mod(zero, zero, torch.arange(6).view(6, 1), torch.arange(6).view(1, 6)), expected)
+    for window, causal in ((0, True), (2, False), (True, True)):
+        with pytest.raises(ValueError, match="window"):
+            document_mask(segments, "sdpa", causal=causal, window=window)
+    assert sliding_window(transformers.MistralConfig(sliding_window=8)) == (8, True)
+    assert sliding_window(transformers.Gemma2Config(sliding_window=8, num_hidden_layers=2)) == (8, False)
+    assert sliding_window(transformers.Qwen2Config(sliding_window=8, use_sliding_window=False)) == (None, False)
+    assert sliding_window(transformers.LlamaConfig()) == (None, False)
