@@ -34,6 +34,9 @@ _TOKEN_HEADS = ("ForMaskedLM", "ForTokenClassification")
 _SEQUENCE_HEAD = "ForSequenceClassification"
 # Causal language models (LlamaForCausalLM, GPT2LMHeadModel, BertLMHeadModel): per-token loss on shifted labels.
 _CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
+# Models whose ALiBi attention biases count positions in the [B, L] padding mask, not in position ids: packed rows
+# cannot restart them per sample (Falcon says so with config.alibi).
+_ALIBI_MODEL_TYPES = ("bloom", "mpt")
 
 
 def document_mask(segment_ids: torch.Tensor, backend: str, dtype: torch.dtype = torch.float32,
@@ -176,9 +179,9 @@ class PackedModel(nn.Module):
             (accelerate()'s compute.first_token_only). Outputs and gradients are the same either way.
 
     Raises:
-        ValueError: an encoder-decoder model, an encoder head on a decoder, an attention implementation not in
-            BACKENDS, a head it cannot pack, or a sequence classifier for regression / multi-label or without a
-            first-token pooler.
+        ValueError: an encoder-decoder model, ALiBi attention, an encoder head on a decoder, an attention
+            implementation not in BACKENDS, a head it cannot pack, or a sequence classifier for regression /
+            multi-label or without a first-token pooler.
     """
 
     def __init__(self, model: nn.Module, first_tokens_only: bool = True):
@@ -191,6 +194,9 @@ class PackedModel(nn.Module):
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError(f"model {name} is an encoder-decoder; PackedModel supports encoders and causal "
                              "language models")
+        if getattr(config, "model_type", None) in _ALIBI_MODEL_TYPES or getattr(config, "alibi", False) is True:
+            raise ValueError(f"model {name} has ALiBi attention, whose positions come from the [B, L] padding mask: "
+                             "packed rows cannot restart them per sample")
         backend = getattr(config, "_attn_implementation", None)
         if backend not in BACKENDS:
             raise ValueError(f"model's attention implementation must be one of {BACKENDS}, got {backend!r}")

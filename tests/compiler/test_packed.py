@@ -254,6 +254,9 @@ def test_unsupported_models_are_refused_by_name():
         PackedModel(transformers.T5ForConditionalGeneration(transformers.T5Config(
             vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)))
     assert PackedModel(transformers.BertLMHeadModel(_config("sdpa", is_decoder=True))).head == "causal"
+    with pytest.raises(ValueError, match="ALiBi"):
+        PackedModel(transformers.BloomForCausalLM(transformers.BloomConfig(
+            vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=2, attn_implementation="eager")))
     with pytest.raises(ValueError, match="single-label"):
         PackedModel(transformers.BertForSequenceClassification(_config("sdpa", num_labels=1)))
     with pytest.raises(ValueError, match="single-label"):
