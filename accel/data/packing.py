@@ -10,6 +10,10 @@ Each packed row carries what keeps its samples apart:
 Padding tokens attend only to padding, never to a sample; that keeps every softmax row non-empty
 (a fully masked row is NaN in SDPA) and their outputs are ignored anyway.
 
+A sample that carries an "attention_mask" (a tokenizer's padding="max_length" output) is packed without the
+positions its mask zeroes: only its real tokens take room in a row. Its ones must be one run (left or right
+padding).
+
 Labels: per-token labels (a list as long as input_ids) are packed like input_ids and padded with -100;
 a scalar label per sample (an int, e.g. a class id) becomes a per-row vector `labels[max_segments]` in
 sample order (the order of the segments), padded with -100.
@@ -104,6 +108,20 @@ def _as_long(values, what: str) -> torch.Tensor:
     return t.to(torch.long)
 
 
+def _real_tokens(mask: torch.Tensor, n: int, index: int) -> slice:
+    """The positions a sample's attention mask keeps: its ones, which must be one run (left or right padding)."""
+    if mask.numel() != n:
+        raise ValueError(f"samples[{index}]['attention_mask'] must have {n} entries like input_ids")
+    ones = mask.nonzero().flatten()
+    if ones.numel() == 0:
+        raise ValueError(f"samples[{index}]['attention_mask'] keeps no token")
+    start, stop = int(ones[0]), int(ones[-1]) + 1
+    if stop - start != ones.numel():
+        raise ValueError(f"samples[{index}]['attention_mask'] must keep one run of tokens (left or right "
+                         "padding), got gaps")
+    return slice(start, stop)
+
+
 def _is_scalar_label(label) -> bool:
     if isinstance(label, torch.Tensor):
         return label.dim() == 0
@@ -114,8 +132,8 @@ class PackedDataset(Dataset):
     """A Dataset of packed rows of length max_length built from variable-length samples.
 
     Args:
-        samples: a sequence of mappings with "input_ids" and optionally "labels" and "token_type_ids"
-            (see the module docstring for label forms).
+        samples: a sequence of mappings with "input_ids" and optionally "labels", "token_type_ids" and
+            "attention_mask" (padding to leave out; see the module docstring for label forms).
         max_length: the row length.
         strategy: "ffd" (first-fit decreasing) or "greedy" (next-fit, dataset order).
         pad_token_id: id written into the padding tail of input_ids.
@@ -182,7 +200,10 @@ class PackedDataset(Dataset):
                 out["labels"] = _as_long(label, f"samples[{index}]['labels']")
                 if out["labels"].numel() != n:
                     raise ValueError(f"samples[{index}]['labels'] must have {n} per-token entries like input_ids")
-        self.sample_lengths.append(n)
+        if "attention_mask" in sample:
+            real = _real_tokens(_as_long(sample["attention_mask"], f"samples[{index}]['attention_mask']"), n, index)
+            out = {k: v if isinstance(v, int) else v[real] for k, v in out.items()}
+        self.sample_lengths.append(int(out["input_ids"].numel()))
         return out
 
     def _cut(self, index: int, sample: dict) -> list[dict]:

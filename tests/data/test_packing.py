@@ -207,3 +207,26 @@ class TestPackingRefusals:
         from accel.data.packing import pack_lengths
         with pytest.raises(TypeError, match=r"lengths\[0\] must be an int"):
             pack_lengths([bad, 1], 4)
+
+
+def test_samples_padded_by_a_tokenizer_pack_only_their_real_tokens():
+    """padding="max_length" samples carry an attention_mask: its zeroed positions take no room in a row."""
+    real = [{"input_ids": [5, 6, 7], "token_type_ids": [0, 0, 1], "labels": [5, 6, 7]},
+            {"input_ids": [8, 9, 4, 3], "token_type_ids": [1, 1, 0, 0], "labels": [8, -100, 4, 3]}]
+    padded = [  # right padding, then left padding, to 6 tokens
+        {"input_ids": [5, 6, 7, 0, 0, 0], "token_type_ids": [0, 0, 1, 0, 0, 0], "labels": [5, 6, 7, -100, -100, -100],
+         "attention_mask": [1, 1, 1, 0, 0, 0]},
+        {"input_ids": [0, 0, 8, 9, 4, 3], "token_type_ids": [0, 0, 1, 1, 0, 0], "labels": [-100, -100, 8, -100, 4, 3],
+         "attention_mask": [0, 0, 1, 1, 1, 1]}]
+    expected, got = PackedDataset(real, 8), PackedDataset(padded, 8)
+    assert got.piece_lengths == [3, 4] and got.rows == expected.rows
+    for r in range(len(expected)):
+        for key, value in expected[r].items():
+            assert torch.equal(got[r][key], value), key
+
+
+@pytest.mark.parametrize("mask, message", [
+    ([1, 0, 1], "must keep one run"), ([0, 0, 0], "keeps no token"), ([1, 1], "must have 3 entries")])
+def test_attention_masks_that_do_not_mark_one_run_of_tokens_are_refused(mask, message):
+    with pytest.raises(ValueError, match=rf"samples\[0\]\['attention_mask'\] {message}"):
+        PackedDataset([{"input_ids": [5, 6, 7], "attention_mask": mask}], 8)
