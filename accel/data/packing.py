@@ -24,6 +24,7 @@ of its own (a scalar label is copied to every piece).
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -345,6 +346,19 @@ class PackedCollator:
         return batch
 
 
+# transformers' collators that only stack or pad: packing does their work itself
+_PADDING_COLLATORS = ("default_data_collator", "DataCollatorWithPadding", "DefaultDataCollator")
+
+
+def _only_pads(collate_fn, default_collate) -> bool:
+    """Whether a loader's collate_fn is known to do nothing but stack or pad samples."""
+    if collate_fn is default_collate:
+        return True
+    name = getattr(collate_fn, "__name__", type(collate_fn).__name__)
+    module = getattr(collate_fn, "__module__", type(collate_fn).__module__) or ""
+    return module.startswith("transformers.") and name in _PADDING_COLLATORS
+
+
 def packed_loader_like(loader, max_length: int, *, pad_token_id: int = 0, overflow: str = "truncate"):
     """A DataLoader of packed rows over the samples of `loader` (a DataLoader over a map-style dataset
     whose items are mappings with "input_ids", before collation), keeping its shuffling, workers,
@@ -352,13 +366,20 @@ def packed_loader_like(loader, max_length: int, *, pad_token_id: int = 0, overfl
 
     Rows per batch keep the real tokens per step about where they were: round(batch_size * mean sample
     length / max_length), at least 1. Batches carry segment_ids (accel.compiler.packed.PackedModel
-    builds the attention mask from them) and no attention_mask.
+    builds the attention mask from them) and no attention_mask. The loader's own collate_fn is not used (it
+    batches samples, not rows); one not known to only stack or pad (torch's default, transformers' padding
+    collators) gets a warning, as what it did beyond padding (a masked-LM collator's masking, say) is not done.
     """
-    from torch.utils.data import DataLoader, RandomSampler
+    from torch.utils.data import DataLoader, RandomSampler, default_collate
 
     if not isinstance(loader, DataLoader) or loader.batch_size is None:
         raise ValueError("dataloader: packing rebuilds the loader, so it must be a torch DataLoader with a "
                          f"batch_size over a map-style dataset, got {type(loader).__name__}")
+    if not _only_pads(loader.collate_fn, default_collate):
+        name = getattr(loader.collate_fn, "__name__", type(loader.collate_fn).__name__)
+        warnings.warn(f"dataloader.pack: the loader's collate_fn ({name}) is replaced by PackedCollator, which packs "
+                      "the dataset's samples as they are; what the collate_fn did beyond padding (masking tokens for "
+                      "a masked LM, building labels) is not done: do it in the dataset instead", stacklevel=3)
     dataset = loader.dataset
     try:
         samples = [dataset[i] for i in range(len(dataset))]

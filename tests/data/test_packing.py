@@ -230,3 +230,25 @@ def test_samples_padded_by_a_tokenizer_pack_only_their_real_tokens():
 def test_attention_masks_that_do_not_mark_one_run_of_tokens_are_refused(mask, message):
     with pytest.raises(ValueError, match=rf"samples\[0\]\['attention_mask'\] {message}"):
         PackedDataset([{"input_ids": [5, 6, 7], "attention_mask": mask}], 8)
+
+
+def test_packing_warns_when_the_loaders_collate_fn_did_more_than_pad():
+    import warnings
+
+    from accel.data.packing import packed_loader_like
+
+    transformers = pytest.importorskip("transformers")
+    samples = [{"input_ids": torch.arange(1, n + 1)} for n in (3, 5, 2)]
+
+    class Tokenizer:  # what DataCollatorWithPadding needs of one
+        pad_token_id = 0
+    padding = transformers.DataCollatorWithPadding(Tokenizer())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for collate_fn in (None, transformers.default_data_collator, padding):
+            packed_loader_like(torch.utils.data.DataLoader(samples, batch_size=2, collate_fn=collate_fn), 8)
+
+    def mask_tokens(batch):  # a masked-LM collator: its masking would be lost
+        return batch
+    with pytest.warns(UserWarning, match=r"collate_fn \(mask_tokens\) is replaced by PackedCollator"):
+        packed_loader_like(torch.utils.data.DataLoader(samples, batch_size=2, collate_fn=mask_tokens), 8)
