@@ -13,7 +13,7 @@ intermediate 1376, vocabulary 32000; --quick: a tiny one), random weights, nothi
 Data: seeded lognormal lengths (median 180 tokens, sigma 0.8, as instruction-tuning sets spread), clipped to
 [16, --max-length]; the labels are the token ids.
 
-    python benchmarks/causal_lm.py [--quick] [--modes eager,peer,accel] [--steps N] [--batch B]
+    python benchmarks/causal_lm.py [--quick] [--modes eager,peer,accel] [--steps N] [--batch B] [--attn flex_attention]
 
 Writes benchmarks/results/causal_lm_<device>.json and .png.
 """
@@ -77,11 +77,11 @@ def make_samples(lengths: list[int], vocab: int, seed: int) -> list[dict]:
     return [{"input_ids": s.clone(), "labels": s.clone()} for s in torch.split(ids, lengths)]
 
 
-def build_model(quick: bool, seed: int):
+def build_model(quick: bool, seed: int, attn: str = "sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**(QUICK_LLAMA if quick else LLAMA))).train()
+    return LlamaForCausalLM(LlamaConfig(**(QUICK_LLAMA if quick else LLAMA), attn_implementation=attn)).train()
 
 
 def parse_args(argv=None):
@@ -94,6 +94,9 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=("cuda", "cpu"), help="device of the eager and peer modes")
+    ap.add_argument("--attn", choices=("sdpa", "flex_attention", "eager"), default="sdpa",
+                    help="every mode's attention: flex_attention gives accel's packed rows a BlockMask that skips the "
+                         "blocks no sample sees (CUDA: it has no backward on the CPU)")
     ap.add_argument("--quick", action="store_true", help="tiny Llama, batch 4, rows of 64, 2 steps")
     ap.add_argument("--out", help="result file name without extension (default causal_lm_<cpu|cuda>)")
     ap.add_argument("--results-dir", type=Path, default=_report.RESULTS)
@@ -101,7 +104,7 @@ def parse_args(argv=None):
     if args.quick:
         args.steps, args.warmup, args.batch, args.max_length = 2, 1, 4, 64
     args.device = torch.device(args.device or bert_base.default_device())
-    args.out = args.out or f"causal_lm_{args.device.type}"
+    args.out = args.out or f"causal_lm_{args.device.type}" + ("" if args.attn == "sdpa" else f"_{args.attn}")
     return args
 
 
@@ -109,7 +112,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     env = _report.environment(str(args.device))
     env["keep_freed_memory"] = args.device.type == "cpu" and keep_freed_memory()  # as bert_base.py
-    model = build_model(args.quick, args.seed)
+    model = build_model(args.quick, args.seed, args.attn)
     vocab = model.config.vocab_size
     lengths = instruction_lengths(args.batch * (args.warmup + args.steps), args.max_length, args.seed)
     # The peer compiles every length as one dynamic graph: with Dynamo's automatic shapes (static first, dynamic
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
     # 'tmp2' was not declared; fixed by 2.13), and a static graph per padded length recompiles every step.
     workload = Workload("causal", args.batch, args.max_length, make_samples(lengths, vocab, args.seed),
                         peer_dynamic=True)
-    print(f"Llama {'quick (tiny)' if args.quick else 'config'} on {env['device']}: {workload.name}, "
+    print(f"Llama {'quick (tiny)' if args.quick else 'config'} ({args.attn}) on {env['device']}: {workload.name}, "
           f"{len(lengths)} samples of median {sorted(lengths)[len(lengths) // 2]} tokens; modes {','.join(args.modes)}",
           flush=True)
     ctx = bert_base.Context(model, workload, args.device, args.lr)
@@ -126,7 +129,7 @@ def main(argv=None) -> int:
     bert_base.print_workload(workload.name, rows)
     problems = bert_base.check_losses(rows, bert_base.FIRST_LOSS_TOL)
     verdict = "FAIL" if problems else "PASS"
-    payload = {**env, "workload": workload.name, "model": dict(QUICK_LLAMA if args.quick else LLAMA),
+    payload = {**env, "workload": workload.name, "model": dict(QUICK_LLAMA if args.quick else LLAMA, attn=args.attn),
                "args": {k: str(v) if isinstance(v, (Path, torch.device)) else v for k, v in vars(args).items()},
                "rows": rows, "loss_check": {"verdict": verdict, "problems": problems}}
     path = _report.write_json(args.out, payload, args.results_dir)
