@@ -384,16 +384,28 @@ def _decoder(family, attn_implementation):
         intermediate_size=64, max_position_embeddings=32, attn_implementation=attn_implementation))
 
 
-def _causal_models(family, backend, device):
+def _decoder_pair(build, family, backend, device):
+    """(PackedModel of build(family, backend), the same weights with eager attention as the reference)."""
     if backend == FLEX and family == "gpt2":
         pytest.skip("transformers runs GPT-2 without flex_attention (GPT2LMHeadModel._supports_flex_attn is False)")
     if backend == ACCEL_SDPA:
         unpadded_attention(transformers.BertForSequenceClassification(_config("sdpa")))  # registers it
     torch.manual_seed(0)
-    model = _decoder(family, backend).to(device).train()
-    reference = _decoder(family, "eager").to(device).train()
+    model = build(family, backend).to(device).train()
+    reference = build(family, "eager").to(device).train()
     reference.load_state_dict(model.state_dict())
     return PackedModel(model), reference
+
+
+def _causal_models(family, backend, device):
+    return _decoder_pair(_decoder, family, backend, device)
+
+
+def _assert_same_grads(packed, reference, device):
+    reference_params = dict(reference.named_parameters())
+    for name, param in packed.model.named_parameters():
+        torch.testing.assert_close(param.grad, reference_params[name].grad, rtol=1e-4 if device == "cpu" else 1e-3,
+                                   atol=1e-6 if device == "cpu" else 1e-5, msg=lambda m: f"{name}: {m}")
 
 
 def _causal_samples(seed=0):
@@ -408,7 +420,7 @@ def _causal_samples(seed=0):
     return samples
 
 
-def _causal_alone(reference, sample, device):
+def _decoder_alone(reference, sample, device):
     return reference(input_ids=torch.tensor([sample["input_ids"]], device=device),
                      labels=torch.tensor([sample["labels"]], device=device))
 
@@ -432,7 +444,7 @@ def test_packed_causal_lm_outputs_match_each_sample_alone(family, backend, devic
         out = packed(**batch)
         expected_loss = torch.zeros((), device=device)
         for r, _, offset, i in _placements(ds):
-            alone = _causal_alone(reference, samples[i], device)
+            alone = _decoder_alone(reference, samples[i], device)
             n = len(samples[i]["input_ids"])
             torch.testing.assert_close(out["logits"][r, offset:offset + n], alone.logits[0], **tol)
             expected_loss += weights[i] * alone.loss
@@ -451,11 +463,8 @@ def test_packed_causal_lm_gradients_match_each_sample_alone(family, backend, dev
     _, batch = _packed(samples, device)
     packed(**batch)["loss"].backward()
     weights = _causal_loss_weights(samples)
-    sum(w * _causal_alone(reference, s, device).loss for w, s in zip(weights, samples)).backward()
-    reference_params = dict(reference.named_parameters())
-    for name, param in packed.model.named_parameters():
-        torch.testing.assert_close(param.grad, reference_params[name].grad, rtol=1e-4 if device == "cpu" else 1e-3,
-                                   atol=1e-6 if device == "cpu" else 1e-5, msg=lambda m: f"{name}: {m}")
+    sum(w * _decoder_alone(reference, s, device).loss for w, s in zip(weights, samples)).backward()
+    _assert_same_grads(packed, reference, device)
 
 
 def test_causal_document_mask_by_hand():
@@ -485,15 +494,7 @@ def _decoder_classifier(family, attn_implementation):
 
 
 def _classifier_models(family, backend, device):
-    if backend == FLEX and family == "gpt2":
-        pytest.skip("transformers runs GPT-2 without flex_attention (GPT2LMHeadModel._supports_flex_attn is False)")
-    if backend == ACCEL_SDPA:
-        unpadded_attention(transformers.BertForSequenceClassification(_config("sdpa")))  # registers it
-    torch.manual_seed(0)
-    model = _decoder_classifier(family, backend).to(device).train()
-    reference = _decoder_classifier(family, "eager").to(device).train()
-    reference.load_state_dict(model.state_dict())
-    packed = PackedModel(model)
+    packed, reference = _decoder_pair(_decoder_classifier, family, backend, device)
     assert packed.head == "last_token"
     return packed, reference
 
@@ -502,11 +503,6 @@ def _class_samples(seed=0):
     g = torch.Generator().manual_seed(seed)
     return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist(),
              "labels": int(torch.randint(0, NUM_LABELS, (), generator=g))} for n in LENGTHS]
-
-
-def _alone_classified(reference, sample, device):
-    return reference(input_ids=torch.tensor([sample["input_ids"]], device=device),
-                     labels=torch.tensor([sample["labels"]], device=device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -520,9 +516,9 @@ def test_packed_decoder_classifier_matches_each_sample_alone(family, backend, de
     with torch.no_grad():
         out = packed(**batch)
         for r, s, _, i in _placements(ds):
-            torch.testing.assert_close(out["logits"][r, s], _alone_classified(reference, samples[i], device).logits[0],
+            torch.testing.assert_close(out["logits"][r, s], _decoder_alone(reference, samples[i], device).logits[0],
                                        **tol)
-        expected = sum(_alone_classified(reference, sample, device).loss for sample in samples) / len(samples)
+        expected = sum(_decoder_alone(reference, sample, device).loss for sample in samples) / len(samples)
     torch.testing.assert_close(out["loss"], expected, **tol)
     missing = batch["seq_lens"] == 0
     assert missing.any() and (out["logits"][missing] == 0).all()
@@ -535,11 +531,8 @@ def test_packed_decoder_classifier_gradients_match_each_sample_alone(family, dev
     samples = _class_samples(seed=1)
     _, batch = _packed(samples, device)
     packed(**batch)["loss"].backward()
-    (sum(_alone_classified(reference, sample, device).loss for sample in samples) / len(samples)).backward()
-    reference_params = dict(reference.named_parameters())
-    for name, param in packed.model.named_parameters():
-        torch.testing.assert_close(param.grad, reference_params[name].grad, rtol=1e-4 if device == "cpu" else 1e-3,
-                                   atol=1e-6 if device == "cpu" else 1e-5, msg=lambda m: f"{name}: {m}")
+    (sum(_decoder_alone(reference, sample, device).loss for sample in samples) / len(samples)).backward()
+    _assert_same_grads(packed, reference, device)
 
 
 # Sliding-window attention: a token sees only the last W tokens of its sample. Mistral's layers all slide; Gemma's
@@ -572,16 +565,13 @@ def test_packed_sliding_window_decoders_match_each_sample_alone(family, backend)
     weights = _causal_loss_weights(samples)
     expected_loss = 0.0
     for r, _, offset, i in _placements(ds):
-        alone = _causal_alone(reference, samples[i], "cpu")
+        alone = _decoder_alone(reference, samples[i], "cpu")
         n = len(samples[i]["input_ids"])
         torch.testing.assert_close(out["logits"][r, offset:offset + n], alone.logits[0], **_tolerance("cpu"))
         expected_loss = expected_loss + weights[i] * alone.loss
     torch.testing.assert_close(out["loss"], expected_loss, **_tolerance("cpu"))
     expected_loss.backward()
-    reference_params = dict(reference.named_parameters())
-    for name, param in packed.model.named_parameters():
-        torch.testing.assert_close(param.grad, reference_params[name].grad, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m: f"{name}: {m}")
+    _assert_same_grads(packed, reference, "cpu")
 
 
 def test_sliding_window_document_mask_by_hand_and_the_configs_that_slide():
