@@ -364,7 +364,8 @@ def packed_loader_like(loader, max_length: int, *, pad_token_id: int = 0, overfl
     whose items are mappings with "input_ids", before collation), keeping its shuffling, workers,
     pinning and drop_last.
 
-    Rows per batch keep the real tokens per step about where they were: round(batch_size * mean sample
+    Samples longer than max_length are truncated (overflow="truncate", with a warning that counts them) or cut
+    into pieces (overflow="split"). Rows per batch keep the real tokens per step about where they were: round(batch_size * mean sample
     length / max_length), at least 1. Batches carry segment_ids (accel.compiler.packed.PackedModel
     builds the attention mask from them) and no attention_mask. The loader's own collate_fn is not used (it
     batches samples, not rows); one not known to only stack or pad (torch's default, transformers' padding
@@ -387,6 +388,11 @@ def packed_loader_like(loader, max_length: int, *, pad_token_id: int = 0, overfl
         raise ValueError("dataloader: packing needs a map-style dataset (len() and [i]), got "
                          f"{type(dataset).__name__}") from exc
     packed = PackedDataset(samples, max_length, pad_token_id=pad_token_id, overflow=overflow)
+    longer = [n for n in packed.sample_lengths if n > max_length]
+    if longer and overflow != "split":
+        warnings.warn(f"dataloader.pack: {len(longer)} of {len(samples)} samples are longer than max_length="
+                      f"{max_length} and lose their last {sum(longer) - max_length * len(longer)} tokens in all "
+                      "(overflow='truncate'); raise dataloader.max_length to keep them", stacklevel=3)
     mean_length = sum(packed.piece_lengths) / len(packed.piece_lengths)
     rows = max(1, round(loader.batch_size * mean_length / max_length))
     return DataLoader(packed, batch_size=rows, shuffle=isinstance(loader.sampler, RandomSampler),

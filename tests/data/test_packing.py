@@ -252,3 +252,12 @@ def test_packing_warns_when_the_loaders_collate_fn_did_more_than_pad():
         return batch
     with pytest.warns(UserWarning, match=r"collate_fn \(mask_tokens\) is replaced by PackedCollator"):
         packed_loader_like(torch.utils.data.DataLoader(samples, batch_size=2, collate_fn=mask_tokens), 8)
+
+
+def test_packing_a_loader_counts_the_tokens_truncation_drops():
+    from accel.data.packing import packed_loader_like
+
+    samples = [{"input_ids": torch.arange(1, n + 1)} for n in (3, 12, 10, 5)]
+    with pytest.warns(UserWarning, match=r"2 of 4 samples are longer than max_length=8 and lose their last 6 tokens"):
+        loader = packed_loader_like(torch.utils.data.DataLoader(samples, batch_size=2), 8)
+    assert sorted(loader.dataset.piece_lengths) == [3, 5, 8, 8]
