@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from accel.data.padding_stats import PaddingStats, check_lengths, consecutive_batches, slots_padded_to_longest
 
@@ -350,7 +350,7 @@ class PackedCollator:
 _PADDING_COLLATORS = ("default_data_collator", "DataCollatorWithPadding", "DefaultDataCollator")
 
 
-def _only_pads(collate_fn, default_collate) -> bool:
+def _only_pads(collate_fn) -> bool:
     """Whether a loader's collate_fn is known to do nothing but stack or pad samples."""
     if collate_fn is default_collate:
         return True
@@ -365,18 +365,18 @@ def packed_loader_like(loader, max_length: int, *, pad_token_id: int = 0, overfl
     pinning and drop_last.
 
     Samples longer than max_length are truncated (overflow="truncate", with a warning that counts them) or cut
-    into pieces (overflow="split"). Rows per batch keep the real tokens per step about where they were: round(batch_size * mean sample
-    length / max_length), at least 1. Batches carry segment_ids (accel.compiler.packed.PackedModel
+    into pieces (overflow="split"). Rows per batch keep the real tokens per step about where they were:
+    round(batch_size * mean sample length / max_length), at least 1. Batches carry segment_ids (accel.compiler.packed.PackedModel
     builds the attention mask from them) and no attention_mask. The loader's own collate_fn is not used (it
     batches samples, not rows); one not known to only stack or pad (torch's default, transformers' padding
     collators) gets a warning, as what it did beyond padding (a masked-LM collator's masking, say) is not done.
     """
-    from torch.utils.data import DataLoader, RandomSampler, default_collate
+    from torch.utils.data import DataLoader, RandomSampler
 
     if not isinstance(loader, DataLoader) or loader.batch_size is None:
         raise ValueError("dataloader: packing rebuilds the loader, so it must be a torch DataLoader with a "
                          f"batch_size over a map-style dataset, got {type(loader).__name__}")
-    if not _only_pads(loader.collate_fn, default_collate):
+    if not _only_pads(loader.collate_fn):
         name = getattr(loader.collate_fn, "__name__", type(loader.collate_fn).__name__)
         warnings.warn(f"dataloader.pack: the loader's collate_fn ({name}) is replaced by PackedCollator, which packs "
                       "the dataset's samples as they are; what the collate_fn did beyond padding (masking tokens for "
