@@ -261,7 +261,6 @@ class _OwnMethod:
 
 
 def _install(block: nn.Module) -> None:
-    _find_cache_types()
     if isinstance(block, _Checkpointed):
         return  # already wrapped: never wrap twice
     # An instance forward would shadow the class's: keep it aside and call it from there.
@@ -308,14 +307,7 @@ def _run_original(block: nn.Module, *args, **kwargs):
     return own(*args, **kwargs)
 
 
-# transformers' key/value cache classes, looked up when blocks are installed (a global dynamo reads as a constant)
-_CACHE_TYPES: tuple = ()
 _cache_warned = False
-
-
-def _find_cache_types() -> None:
-    global _CACHE_TYPES
-    _CACHE_TYPES = kv_cache_types()
 
 
 def _without_caches(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -325,17 +317,18 @@ def _without_caches(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
     transformers' own checkpointing gives a checkpointed layer no cache either (GradientCheckpointingLayer);
     layers that only read one say so with `_can_checkpoint_with_cache`."""
     global _cache_warned
-    if not _CACHE_TYPES or getattr(block, "_can_checkpoint_with_cache", False):
+    cache_types = kv_cache_types()
+    if not cache_types or getattr(block, "_can_checkpoint_with_cache", False):
         return args, kwargs
-    if not any(isinstance(v, _CACHE_TYPES) for v in itertools.chain(args, kwargs.values())):
+    if not any(isinstance(v, cache_types) for v in itertools.chain(args, kwargs.values())):
         return args, kwargs
     if not _cache_warned and not torch.compiler.is_compiling():
         _cache_warned = True
         warnings.warn(f"auto_checkpoint: checkpointed {type(block).__name__} layers get no key/value cache (the "
                       "recomputation in backward would append to it again), as with transformers' own gradient "
                       "checkpointing; pass use_cache=False to the model to build none", stacklevel=3)
-    args = tuple(None if isinstance(v, _CACHE_TYPES) else v for v in args)
-    kwargs = {k: None if isinstance(v, _CACHE_TYPES) else v for k, v in kwargs.items()}
+    args = tuple(None if isinstance(v, cache_types) else v for v in args)
+    kwargs = {k: None if isinstance(v, cache_types) else v for k, v in kwargs.items()}
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
     return args, kwargs
