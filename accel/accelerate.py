@@ -23,7 +23,8 @@ What it does, in order (each step says why it sits where it does):
    modules already built are switched to FusedLayerNorm / PhiloxDropout in place (same parameters); fused
    Adam is a hook on torch.optim.Adam/AdamW, so it reaches the optimizer the user builds next.
 5. activation checkpointing (memory.gc): the blocks named by memory.gc_cls, or the repeated blocks
-   auto_checkpoint finds; memory.gc_cnt limits it to the first N. Then compute.first_token_only: a
+   auto_checkpoint finds; memory.gc_cnt limits it to the first N. memory.fused_lm_loss: a causal LM's training
+   loss without its logits (accel.compiler.fused_lm_loss). Then compute.first_token_only: a
    classifier that reads one token gets a last encoder layer that computes only that token
    (accel.compiler.first_token; after checkpointing, which would recompute that layer outside the call).
 6. packing (dataloader.pack): the model is wrapped to take packed rows (accel.compiler.packed); the
@@ -312,6 +313,10 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         from accel.checkpoint import auto_checkpoint
 
         auto_checkpoint(model, block_classes=config.memory.gc_cls, count=config.memory.gc_cnt)
+    if config.memory.fused_lm_loss:  # an instance forward: inside the packing and autocast wrappers below
+        from accel.compiler.fused_lm_loss import fuse_lm_loss
+
+        fuse_lm_loss(model)
     # Packed rows always have a mask; "accel_sdpa" still gives their attention the model's own dropout layer.
     unpadded_attention(model)
     if config.compute.fuse_qkv:

@@ -180,6 +180,9 @@ class MemoryConfig(_Section):
     keep_freed_memory: for models that run on the CPU, glibc's malloc keeps freed memory for reuse
         (accel.runtime.host_memory): large tensors stop costing page faults every step; the process
         keeps its heap at its peak (more where tensor sizes change every step: switch it off there).
+    fused_lm_loss: a causal language model's training calls with labels compute the loss without the
+        [B, L, vocabulary] logits, a chunk of tokens at a time (accel.compiler.fused_lm_loss); those calls'
+        outputs have no logits. Off by default: it saves the logits' memory but not time.
     """
 
     _prefix = "memory"
@@ -187,10 +190,12 @@ class MemoryConfig(_Section):
     gc_cls: Optional[set] = None
     gc_cnt: Optional[int] = None
     keep_freed_memory: bool = True
+    fused_lm_loss: bool = False
 
     def _check(self) -> None:
         _check_bool("memory.gc", self.gc)
         _check_bool("memory.keep_freed_memory", self.keep_freed_memory)
+        _check_bool("memory.fused_lm_loss", self.fused_lm_loss)
         self.gc_cls = _class_names("memory.gc_cls", self.gc_cls)
         _check_positive_int("memory.gc_cnt", self.gc_cnt)
         if not self.gc and (self.gc_cls is not None or self.gc_cnt is not None):

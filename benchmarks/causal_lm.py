@@ -9,11 +9,12 @@ peer and accel modes, one process, same weights and seed); see its docstring. Th
 dynamic=True: one graph for every padded length.
 
 Model: transformers' LlamaForCausalLM from a config (hidden 512, 8 layers, 8 heads, 4 key/value heads,
-intermediate 1376, vocabulary 32000; --quick: a tiny one), random weights, nothing downloaded.
+intermediate 1376, vocabulary 32000 or --vocab; --quick: a tiny one), random weights, nothing downloaded.
 Data: seeded lognormal lengths (median 180 tokens, sigma 0.8, as instruction-tuning sets spread), clipped to
 [16, --max-length]; the labels are the token ids.
 
     python benchmarks/causal_lm.py [--quick] [--modes eager,peer,accel] [--steps N] [--batch B] [--attn flex_attention]
+                                   [--vocab V]
 
 Writes benchmarks/results/causal_lm_<device>.json and .png.
 """
@@ -77,11 +78,18 @@ def make_samples(lengths: list[int], vocab: int, seed: int) -> list[dict]:
     return [{"input_ids": s.clone(), "labels": s.clone()} for s in torch.split(ids, lengths)]
 
 
-def build_model(quick: bool, seed: int, attn: str = "sdpa"):
+def model_config(quick: bool, vocab: int | None = None) -> dict:
+    config = dict(QUICK_LLAMA if quick else LLAMA)
+    if vocab:
+        config["vocab_size"] = vocab
+    return config
+
+
+def build_model(config: dict, seed: int, attn: str = "sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**(QUICK_LLAMA if quick else LLAMA), attn_implementation=attn)).train()
+    return LlamaForCausalLM(LlamaConfig(**config, attn_implementation=attn)).train()
 
 
 def parse_args(argv=None):
@@ -97,6 +105,8 @@ def parse_args(argv=None):
     ap.add_argument("--attn", choices=("sdpa", "flex_attention", "eager"), default="sdpa",
                     help="every mode's attention: flex_attention gives accel's packed rows a BlockMask that skips the "
                          "blocks no sample sees (CUDA: it has no backward on the CPU)")
+    ap.add_argument("--vocab", type=int, help="vocabulary size (default 32000; Llama 3's is 128256): the logits' "
+                                             "share of the step, which memory.fused_lm_loss computes in chunks")
     ap.add_argument("--quick", action="store_true", help="tiny Llama, batch 4, rows of 64, 2 steps")
     ap.add_argument("--out", help="result file name without extension (default causal_lm_<cpu|cuda>)")
     ap.add_argument("--results-dir", type=Path, default=_report.RESULTS)
@@ -112,7 +122,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     env = _report.environment(str(args.device))
     env["keep_freed_memory"] = args.device.type == "cpu" and keep_freed_memory()  # as bert_base.py
-    model = build_model(args.quick, args.seed, args.attn)
+    config = model_config(args.quick, args.vocab)
+    model = build_model(config, args.seed, args.attn)
     vocab = model.config.vocab_size
     lengths = instruction_lengths(args.batch * (args.warmup + args.steps), args.max_length, args.seed)
     # The peer compiles every length as one dynamic graph: with Dynamo's automatic shapes (static first, dynamic
@@ -129,7 +140,7 @@ def main(argv=None) -> int:
     bert_base.print_workload(workload.name, rows)
     problems = bert_base.check_losses(rows, bert_base.FIRST_LOSS_TOL)
     verdict = "FAIL" if problems else "PASS"
-    payload = {**env, "workload": workload.name, "model": dict(QUICK_LLAMA if args.quick else LLAMA, attn=args.attn),
+    payload = {**env, "workload": workload.name, "model": dict(config, attn=args.attn),
                "args": {k: str(v) if isinstance(v, (Path, torch.device)) else v for k, v in vars(args).items()},
                "rows": rows, "loss_check": {"verdict": verdict, "problems": problems}}
     path = _report.write_json(args.out, payload, args.results_dir)

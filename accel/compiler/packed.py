@@ -25,6 +25,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from accel.compiler.first_token import last_layer_rows, sees_every_position
 from accel.compiler.unpadded_attention import ACCEL_SDPA, SDPA
 from accel.data.packing import LABEL_PAD, block_diagonal_mask
+from accel.utils.transformers_models import CAUSAL_LM_HEADS
 
 FLEX = "flex_attention"
 BACKENDS = (FLEX, SDPA, ACCEL_SDPA, "eager")
@@ -32,8 +33,6 @@ BACKENDS = (FLEX, SDPA, ACCEL_SDPA, "eager")
 # per-token labels is the loss over the same tokens unpacked.
 _TOKEN_HEADS = ("ForMaskedLM", "ForTokenClassification")
 _SEQUENCE_HEAD = "ForSequenceClassification"
-# Causal language models (LlamaForCausalLM, GPT2LMHeadModel, BertLMHeadModel): per-token loss on shifted labels.
-_CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
 # Models whose ALiBi attention biases count positions in the [B, L] padding mask, not in position ids: packed rows
 # cannot restart them per sample (Falcon says so with config.alibi).
 _ALIBI_MODEL_TYPES = ("bloom", "mpt")
@@ -200,11 +199,11 @@ class PackedModel(nn.Module):
         backend = getattr(config, "_attn_implementation", None)
         if backend not in BACKENDS:
             raise ValueError(f"model's attention implementation must be one of {BACKENDS}, got {backend!r}")
-        if name.endswith(_CAUSAL_HEADS):
+        if name.endswith(CAUSAL_LM_HEADS):
             self.head = "causal"
         elif getattr(config, "is_decoder", False):
             raise ValueError(f"model {name} is a decoder with an encoder's head; PackedModel packs decoders as "
-                             f"causal language models (*{', *'.join(_CAUSAL_HEADS)})")
+                             f"causal language models (*{', *'.join(CAUSAL_LM_HEADS)})")
         elif name.endswith(_TOKEN_HEADS):
             self.head = "token"
         elif name.endswith(_SEQUENCE_HEAD):
@@ -215,7 +214,7 @@ class PackedModel(nn.Module):
             self._check_sequence_head(model, self.head)
         else:
             raise ValueError(f"model {name} has an unsupported head; PackedModel supports "
-                             f"*{', *'.join(_TOKEN_HEADS + _CAUSAL_HEADS)} and *{_SEQUENCE_HEAD}")
+                             f"*{', *'.join(_TOKEN_HEADS + CAUSAL_LM_HEADS)} and *{_SEQUENCE_HEAD}")
         self.model = model
         # The selecting forward of the last layer (a plain object, not a submodule), or None: the full layer.
         self._last_layer = last_layer_rows(model) if first_tokens_only and self.head == "sequence" else None

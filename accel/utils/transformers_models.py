@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import sys
 
+# Class-name endings of transformers' causal language models (LlamaForCausalLM, GPT2LMHeadModel, BertLMHeadModel):
+# a per-token loss on shifted labels.
+CAUSAL_LM_HEADS = ("ForCausalLM", "LMHeadModel")
+
 
 def is_transformers_model(model) -> bool:
     """Whether `model` is an instance of a class defined in transformers and carries a `.config`."""

@@ -35,11 +35,12 @@ EXPECTED_OPS = {
     "quick_gelu_fwd", "quick_gelu_bwd",
     "window_process_partition", "window_process_reverse",
     "onednn_mm",
+    "linear_cross_entropy_fwd", "linear_cross_entropy_bwd",
 }
 
 PACKAGES = ("accel.runtime.nn", "accel.runtime.optim")
 # Ops defined in Python (torch.library.custom_op) on top of torch's own kernels: no csrc of their own.
-PYTHON_OPS = ("accel.runtime.nn.onednn_mm",)
+PYTHON_OPS = ("accel.runtime.nn.onednn_mm", "accel.runtime.nn.linear_cross_entropy")
 
 
 def _op_libraries() -> list[str]:
@@ -231,6 +232,23 @@ def _onednn_mm(device, dtype, gen, *, bias=True, transposed=False):
     return a, b.requires_grad_(), _randn((4,), device, dtype, gen, requires_grad=True) if bias else None
 
 
+def _linear_cross_entropy_fwd(device, dtype, gen, *, bias=True):
+    hidden = _randn((6, 5), device, dtype, gen, requires_grad=True)
+    weight = _randn((9, 5), device, dtype, gen, requires_grad=True)
+    b = _randn((9,), device, dtype, gen, requires_grad=True) if bias else None
+    target = torch.tensor([3, 0, -100, 8, 5, 3], device=device)
+    return hidden, weight, b, target, -100
+
+
+def _linear_cross_entropy_bwd(device, dtype, gen, *, bias=True, want_weight=True):
+    hidden, weight, b, target, ignore_index = _linear_cross_entropy_fwd(device, dtype, gen, bias=bias)
+    hidden, weight = hidden.detach(), weight.detach()
+    b = b.detach() if b is not None else None
+    _, lse = torch.ops.accel.linear_cross_entropy_fwd(hidden, weight, b, target, ignore_index)
+    grad = _randn((), device, lse.dtype, gen)
+    return grad, hidden, weight, b, target, lse, ignore_index, True, want_weight, bias
+
+
 def _dcn_v2_bwd(device, dtype, gen, *, masked=True):
     x, offset, weight, b, mask, stride, padding, dilation = _dcn_v2_fwd(device, dtype, gen, masked=masked)
     x, offset, weight = x.detach(), offset.detach(), weight.detach()
@@ -306,6 +324,11 @@ CASES = [
     Case("dcn_v2_fwd", "groups_stride", _dcn_v2_fwd, (F32,), {"groups": 2, "offset_groups": 2, "stride": 2}),
     Case("dcn_v2_bwd", "modulated", _dcn_v2_bwd, (F32, F64)),
     Case("dcn_v2_bwd", "v1", _dcn_v2_bwd, (F32,), {"masked": False}),
+    Case("linear_cross_entropy_fwd", "bias", _linear_cross_entropy_fwd, (F32, BF16)),
+    Case("linear_cross_entropy_fwd", "no_bias", _linear_cross_entropy_fwd, (F32,), {"bias": False}),
+    Case("linear_cross_entropy_bwd", "bias", _linear_cross_entropy_bwd, (F32, BF16)),
+    Case("linear_cross_entropy_bwd", "frozen_weight_no_bias", _linear_cross_entropy_bwd, (F32,),
+         {"bias": False, "want_weight": False}),
     Case("onednn_mm", "bias", _onednn_mm, (F32,), marks=NEEDS_ONEDNN, cpu_only=True),
     Case("onednn_mm", "weight_transposed_no_bias", _onednn_mm, (F32,), {"bias": False, "transposed": True},
          marks=NEEDS_ONEDNN, cpu_only=True),

@@ -1,0 +1,195 @@
+"""fuse_lm_loss: a causal LM's training loss and gradients without its logits equal the unchanged model's (a
+copy with the same weights); every other call is the model's own; models whose head does more are refused."""
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the fused loss replaces a transformers model's head")
+
+import accel  # noqa: E402
+from accel.compiler.fused_lm_loss import fuse_lm_loss  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+VOCAB = 97
+
+
+def _model(family: str, **extra):
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
+    if family == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, **extra))
+    if family == "gemma2":  # soft-caps its logits after lm_head
+        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, head_dim=8, **extra))
+    if family == "mixtral":  # adds its router's auxiliary loss
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_local_experts=2, output_router_logits=True, **extra))
+    config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
+    return model_class(config_class(**common, **extra))
+
+
+def _pair(family, device="cpu", **extra):
+    """(fused model, the unchanged model with the same weights), both training."""
+    model = _model(family, **extra).to(device).train()
+    reference = copy.deepcopy(model)
+    assert fuse_lm_loss(model)
+    return model, reference
+
+
+def _batch(device="cpu"):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (3, 11), generator=g)
+    labels = ids.clone()
+    labels[0, :4] = -100  # a prompt
+    labels[2, 8:] = -100  # padding
+    return ids.to(device), labels.to(device)
+
+
+def _assert_same_grads(model, reference):
+    want = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_training_loss_and_gradients_equal_the_models_own(family, device):
+    model, reference = _pair(family, device)
+    ids, labels = _batch(device)
+    out, want = model(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+    assert out.logits is None and type(out) is type(want)
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    want.loss.backward()
+    _assert_same_grads(model, reference)
+
+
+def test_tied_embeddings_get_both_gradients():
+    model, reference = _pair("llama", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids, labels = _batch()
+    model(input_ids=ids, labels=labels).loss.backward()
+    reference(input_ids=ids, labels=labels).loss.backward()
+    _assert_same_grads(model, reference)
+
+
+def test_attention_mask_shift_labels_and_items_in_batch():
+    """transformers' conventions pass through: a padding mask, labels already shifted, and a loss summed over
+    the tokens and divided by a count over all micro-batches (its gradient accumulation)."""
+    model, reference = _pair("llama")
+    ids, labels = _batch()
+    mask = (labels != -100).long()
+    mask[0] = 1
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    for kwargs in ({"labels": labels, "attention_mask": mask}, {"shift_labels": shifted, "labels": labels},
+                   {"labels": labels, "num_items_in_batch": torch.tensor(50)}):
+        torch.testing.assert_close(model(input_ids=ids, **kwargs).loss, reference(input_ids=ids, **kwargs).loss,
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_other_calls_are_the_models_own():
+    model, reference = _pair("llama")
+    ids, labels = _batch()
+    with torch.no_grad():  # evaluation with labels: logits and loss
+        out, want = model(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+        torch.testing.assert_close(out.logits, want.logits)
+        torch.testing.assert_close(out.loss, want.loss)
+    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)  # no labels
+    tokens = model.generate(ids[:1, :4], max_new_tokens=3, do_sample=False)
+    assert torch.equal(tokens, reference.generate(ids[:1, :4], max_new_tokens=3, do_sample=False))
+
+
+def test_tuple_output_and_hidden_states():
+    model, reference = _pair("llama")
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels, return_dict=False)
+    assert isinstance(out, tuple)
+    torch.testing.assert_close(out[0], reference(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=1e-6)
+    hidden = model(input_ids=ids, labels=labels, output_hidden_states=True).hidden_states
+    want = reference(input_ids=ids, labels=labels, output_hidden_states=True).hidden_states
+    assert len(hidden) == len(want)
+    torch.testing.assert_close(hidden[-1], want[-1])
+
+
+def test_hooks_on_the_head_send_calls_to_the_models_own_forward():
+    model, _ = _pair("llama")
+    calls = []
+    model.lm_head.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels)
+    assert calls == [(3, 11, VOCAB)] and out.logits is not None
+
+
+@pytest.mark.parametrize("family, why", [("gemma2", "logits are not lm_head"), ("mixtral", "loss is not")])
+def test_a_head_that_does_more_is_refused(family, why):
+    model = _model(family).train()
+    reference = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match=f"fused_lm_loss: .* keeps its own head and loss: its {why}"):
+        assert not fuse_lm_loss(model)
+    assert "forward" not in model.__dict__
+    ids, labels = _batch()
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, reference(input_ids=ids, labels=labels).loss)
+
+
+def test_other_models_are_left_alone_and_modes_are_restored():
+    bert = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37))
+    assert not fuse_lm_loss(bert) and not fuse_lm_loss(torch.nn.Linear(2, 2))
+    model = _model("llama").train()
+    model.model.layers[0].eval()  # a user's mixed modes (a frozen block)
+    modes = {name: m.training for name, m in model.named_modules()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fuse_lm_loss(model) and fuse_lm_loss(model)  # once; the second call keeps it
+    assert {name: m.training for name, m in model.named_modules()} == modes
+
+
+def test_pickles_and_copies_with_its_state_dict_unchanged():
+    model, reference = _pair("llama")
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    clone = pickle.loads(pickle.dumps(model))
+    ids, labels = _batch()
+    assert clone(input_ids=ids, labels=labels).logits is None
+    torch.testing.assert_close(clone(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels).loss)
+
+
+def _accelerated_losses(fused: bool, pack: bool):
+    config = accel.Config(backend="cpu")
+    config.compute.kernels = False
+    config.memory.fused_lm_loss = fused
+    g = torch.Generator().manual_seed(2)
+    data = [{"input_ids": ids, "labels": ids} for ids in (torch.randint(1, VOCAB, (n,), generator=g).tolist()
+                                                          for n in (5, 9, 12, 7, 16, 3, 10, 8))]
+    if pack:
+        config.dataloader.pack, config.dataloader.max_length = True, 32
+        loader = torch.utils.data.DataLoader(data, batch_size=4)
+    else:
+        config.dataloader.max_length = 16
+        data = [{k: torch.tensor(v) for k, v in d.items()} for d in data if len(d["input_ids"]) == 16]
+        loader = torch.utils.data.DataLoader(data * 4, batch_size=2)
+    model, loader = accel.accelerate(_model("llama").train(), loader, config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for batch in loader:
+        out = model(**batch)
+        assert (out.logits is None) == fused
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(out.loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_accelerate_trains_the_same_compiled(pack):
+    """memory.fused_lm_loss through accelerate() (compiled), with and without packed rows: the same losses
+    step after step as the model's own head and loss."""
+    fused, plain = _accelerated_losses(True, pack), _accelerated_losses(False, pack)
+    assert len(fused) >= 2
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
