@@ -182,7 +182,8 @@ class MemoryConfig(_Section):
         keeps its heap at its peak (more where tensor sizes change every step: switch it off there).
     fused_lm_loss: a causal language model's training calls with labels compute the loss without the
         [B, L, vocabulary] logits, a chunk of tokens at a time (accel.compiler.fused_lm_loss); those calls'
-        outputs have no logits. Off by default: it saves the logits' memory but not time.
+        outputs have no logits. Off by default, as memory.gc: it trades time for memory (a Llama with hidden 512
+        and a 128256-word vocabulary on the CPU: peak 3.2 instead of 6.0 GB, 0.83x the tokens/s).
     """
 
     _prefix = "memory"

@@ -92,6 +92,26 @@ def build_model(config: dict, seed: int, attn: str = "sdpa"):
     return LlamaForCausalLM(LlamaConfig(**config, attn_implementation=attn)).train()
 
 
+def plots(rows: list[dict], title: str, name: str, directory: Path) -> list[Path]:
+    """<name>.png: real tokens/s over the eager row (over the peer's where eager did not run); <name>_memory.png:
+    the peer's peak memory over each row's (above 1: less memory than the peer)."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    base = "eager" if any("speedup_vs_eager" in r for r in ok) else "peer"
+    speed = [r for r in ok if f"speedup_vs_{base}" in r]
+    out = []
+    if speed:
+        out.append(_report.ratio_bars([r["mode"] for r in speed], [r[f"speedup_vs_{base}"] for r in speed],
+                                      f"real tokens/s over {base}", title, name, directory))
+    peer = next((r for r in ok if r["mode"] == "peer" and r.get("peak_mem_mb")), None)
+    measured = [r for r in ok if r.get("peak_mem_mb")]
+    if peer is not None and len(measured) > 1:
+        out.append(_report.ratio_bars([r["mode"] for r in measured],
+                                      [peer["peak_mem_mb"] / r["peak_mem_mb"] for r in measured],
+                                      "peer's peak memory over the mode's (higher: less memory)", title,
+                                      f"{name}_memory", directory))
+    return out
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", type=bert_base.parse_modes, default=list(MODES), help=f"from {','.join(MODES)}")
@@ -144,11 +164,9 @@ def main(argv=None) -> int:
                "args": {k: str(v) if isinstance(v, (Path, torch.device)) else v for k, v in vars(args).items()},
                "rows": rows, "loss_check": {"verdict": verdict, "problems": problems}}
     path = _report.write_json(args.out, payload, args.results_dir)
-    ok = [r for r in rows if r["status"] == "ok" and "speedup_vs_eager" in r]
-    png = _report.ratio_bars([r["mode"] for r in ok], [r["speedup_vs_eager"] for r in ok], "real tokens/s over eager",
-                             f"{workload.name} on {env['device']}", args.out, args.results_dir) if ok else None
+    pngs = plots(rows, f"{workload.name} (vocabulary {vocab}) on {env['device']}", args.out, args.results_dir)
     print(f"\nloss check: {verdict}" + "".join(f"\n  {p}" for p in problems))
-    print(f"wrote {path}" + (f" and {png}" if png else ""))
+    print(f"wrote {path}" + "".join(f" and {png}" for png in pngs))
     return 1 if problems else 0
 
 

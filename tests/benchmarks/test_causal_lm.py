@@ -17,7 +17,20 @@ def test_quick_run_packs_accels_rows_and_passes_the_loss_check(tmp_path):
     assert set(rows) == {"eager", "peer", "accel"} and all(r["status"] == "ok" for r in rows.values())
     assert "packed rows" in rows["accel"]["precision"] and not rows["accel"]["same_data"]
     assert rows["eager"]["same_data"] and rows["eager"]["speedup_vs_eager"] == 1.0
-    assert (tmp_path / "quick.png").exists()
+    assert (tmp_path / "quick.png").exists() and (tmp_path / "quick_memory.png").exists()
+
+
+def test_quick_fused_loss_row_takes_the_same_steps(tmp_path):
+    """The memory.fused_lm_loss row (and --vocab): same losses as accel's packed rows; plotted over the peer."""
+    mode = "accel:memory.fused_lm_loss=true"
+    status = causal_lm.main(["--quick", "--modes", f"peer,accel,{mode}", "--vocab", "3000",
+                             "--results-dir", str(tmp_path), "--out", "fused"])
+    result = json.loads((tmp_path / "fused.json").read_text())
+    assert status == 0 and result["model"]["vocab_size"] == 3000
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert rows[mode]["status"] == "ok"
+    torch.testing.assert_close(rows[mode]["losses"], rows["accel"]["losses"], rtol=1e-3, atol=1e-3)
+    assert (tmp_path / "fused.png").exists() and (tmp_path / "fused_memory.png").exists()
 
 
 def test_collator_pads_ids_masks_and_labels_as_a_causal_lm_expects():

@@ -1,5 +1,5 @@
 """linear_cross_entropy against plain PyTorch (F.cross_entropy of F.linear, fp32 loss) and hand-computed values:
-the loss and the gradients of hidden, weight and bias, over several chunks, with ignored rows, both reductions,
+the loss and the gradients of hidden, weight and bias, over several vocabulary slices, with ignored rows, both reductions,
 autocast, torch.compile; and that no [N, V] tensor is kept for the backward."""
 import math
 
@@ -13,6 +13,7 @@ from accel.runtime.nn.linear_cross_entropy import (
     linear_cross_entropy,
     linear_cross_entropy_reference,
 )
+from accel.utils.xla import xla_available
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -166,6 +167,20 @@ def test_torch_compile_matches_eager(small_chunks, device):
     torch.testing.assert_close(loss, ref_loss)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.skipif(not xla_available(), reason="torch_xla is not installed")
+def test_xla_tensors_take_plain_ops_per_slice(small_chunks):
+    import torch_xla
+
+    dev = torch_xla.device()
+    h, w, b, t = _inputs("cpu", dtype=torch.float32)
+    hx, wx, bx = (x.detach().to(dev).requires_grad_() for x in (h, w, b))
+    loss, grads = _loss_and_grads(linear_cross_entropy, hx, wx, bx, t.to(dev))
+    ref_loss, ref_grads = _loss_and_grads(linear_cross_entropy_reference, h, w, b, t)
+    torch.testing.assert_close(loss.cpu(), ref_loss)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.cpu(), want)
 
 
 def test_bad_input_names_the_argument():

@@ -146,8 +146,8 @@ def _bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bi
     valid, safe_target = _prepared(hidden, target, ignore_index)
     row_grad = valid.to(lse.dtype) * grad_loss.to(lse.dtype)
     grad_hidden = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device)
-    grad_weight = torch.empty_like(weight) if want_weight else weight.new_empty(0)
-    grad_bias = torch.empty_like(bias) if want_bias else hidden.new_empty(0)
+    grad_weight = _SliceGradient(weight, want_weight)
+    grad_bias = _SliceGradient(bias, want_bias)
     step = _slice_fn(_backward_slice, hidden.device)
     cols = chunk_columns(rows, vocab, hidden.shape[1])
     with torch.autocast(hidden.device.type, enabled=False):
@@ -155,12 +155,33 @@ def _bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bi
             sl = slice(start, start + cols)
             grad_hidden, gw, gb = step(hidden, weight[sl], None if bias is None else bias[sl], safe_target, start,
                                        lse, row_grad, grad_hidden, want_hidden, want_weight, want_bias)
-            if want_weight:
-                grad_weight[sl] = gw
-            if want_bias:
-                grad_bias[sl] = gb
+            grad_weight.add(sl, gw)
+            grad_bias.add(sl, gb)
     grad_hidden = grad_hidden.to(hidden.dtype) if want_hidden else hidden.new_empty(0)
-    return grad_hidden, grad_weight, grad_bias
+    return grad_hidden, grad_weight.result(hidden), grad_bias.result(hidden)
+
+
+class _SliceGradient:
+    """A parameter's gradient made a slice of rows at a time. On CPU and CUDA each slice is written into place as
+    it comes (no second copy of the gradient); torch_xla's functional tensors lose writes into slices of a
+    tensor made inside the op, so there the slices are concatenated at the end."""
+
+    def __init__(self, param: torch.Tensor | None, wanted: bool):
+        self.wanted = wanted
+        self.in_place = wanted and param.device.type in ("cpu", "cuda")
+        self.out = torch.empty_like(param) if self.in_place else None
+        self.parts = []
+
+    def add(self, rows: slice, grad: torch.Tensor | None) -> None:
+        if self.in_place:
+            self.out[rows] = grad
+        elif self.wanted:
+            self.parts.append(grad)
+
+    def result(self, like: torch.Tensor) -> torch.Tensor:
+        if not self.wanted:
+            return like.new_empty(0)
+        return self.out if self.in_place else torch.cat(self.parts)
 
 
 @_bwd.register_fake
