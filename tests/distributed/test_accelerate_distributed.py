@@ -25,8 +25,8 @@ HSDP_WORLD = 4
 XLA_MODES = ("xla_dp", "xla_accumulate", "xla_optimizer_step")
 
 
-def _launch(out, modes, world=WORLD):
-    run_python(["-m", "accel.launch", f"--nproc_per_node={world}", f"--master_port={free_port()}", WORKER,
+def _launch(out, modes, world=WORLD, worker=WORKER):
+    run_python(["-m", "accel.launch", f"--nproc_per_node={world}", f"--master_port={free_port()}", worker,
                 str(out), ",".join(modes)],
                env_extra={"PJRT_DEVICE": "CPU"},
                drop_env=("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "CPU_NUM_DEVICES"),
