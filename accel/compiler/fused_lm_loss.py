@@ -122,30 +122,40 @@ def _probe(model: nn.Module, head: nn.Linear) -> tuple[type | None, str]:
     return type(own), ""
 
 
+def _is_causal_lm(module: nn.Module) -> bool:
+    return is_transformers_model(module) and type(module).__name__.endswith(CAUSAL_LM_HEADS)
+
+
 def fuse_lm_loss(model: nn.Module) -> bool:
     """Give a transformers causal language model the fused head and loss for its training calls with labels.
 
     Args:
-        model: a transformers *ForCausalLM / *LMHeadModel (anything else is left as it is).
+        model: a transformers *ForCausalLM / *LMHeadModel, or a module holding one (a user's wrapper, an adapter
+            library's model around it): the outermost one found gets it, so calls that reach its forward
+            through the wrapper are fused too.
 
     Returns:
-        Whether it was installed. A causal LM it cannot be installed on gets a warning saying why.
+        Whether it was installed. Where it is not, a warning says why (no causal LM found, or one whose head
+        or loss is not the plain one).
     """
-    name = type(model).__name__
-    if not is_transformers_model(model) or not name.endswith(CAUSAL_LM_HEADS):
+    lm = next((m for m in model.modules() if _is_causal_lm(m)), None)
+    if lm is None:
+        warnings.warn(f"memory.fused_lm_loss: {type(model).__name__} holds no transformers causal language model "
+                      f"(*{', *'.join(CAUSAL_LM_HEADS)}); nothing changed", stacklevel=3)
         return False
-    if isinstance(model.__dict__.get("forward"), _FusedLossForward):
+    if isinstance(lm.__dict__.get("forward"), _FusedLossForward):
         return True
-    head = model.get_output_embeddings()
+    name = type(lm).__name__
+    head = lm.get_output_embeddings()
     why = ""
     if type(head) not in _PLAIN_LINEARS:
         why = f"its output embeddings are a {type(head).__name__}, not a plain nn.Linear"
-    elif model.base_model is model:
+    elif lm.base_model is lm:
         why = "it has no base model apart from its head"
     else:
-        output_type, why = _probe(model, head)
+        output_type, why = _probe(lm, head)
     if why:
         warnings.warn(f"memory.fused_lm_loss: {name} keeps its own head and loss: {why}", stacklevel=3)
         return False
-    object.__setattr__(model, "forward", _FusedLossForward(model, output_type))
+    object.__setattr__(lm, "forward", _FusedLossForward(lm, output_type))
     return True

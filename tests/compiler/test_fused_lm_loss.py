@@ -137,10 +137,37 @@ def test_a_head_that_does_more_is_refused(family, why):
     torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, reference(input_ids=ids, labels=labels).loss)
 
 
-def test_other_models_are_left_alone_and_modes_are_restored():
+def test_other_models_are_left_alone_with_a_warning():
     bert = transformers.BertForSequenceClassification(transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37))
-    assert not fuse_lm_loss(bert) and not fuse_lm_loss(torch.nn.Linear(2, 2))
+    for model in (bert, torch.nn.Linear(2, 2)):
+        with pytest.warns(UserWarning, match="holds no transformers causal language model"):
+            assert not fuse_lm_loss(model)
+        assert "forward" not in model.__dict__
+
+
+class _UserWrapper(torch.nn.Module):
+    """A module around the causal LM that calls it (as a user's model, or an adapter library's, does)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, **batch):
+        return self.lm(**batch)
+
+
+def test_a_causal_lm_inside_a_wrapper_gets_it():
+    _, reference = _pair("llama")
+    wrapper = _UserWrapper(_model("llama").train())
+    assert fuse_lm_loss(wrapper) and "forward" in wrapper.lm.__dict__
+    ids, labels = _batch()
+    out = wrapper(input_ids=ids, labels=labels)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, reference(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=1e-6)
+
+
+def test_modes_are_restored_after_the_probe():
     model = _model("llama").train()
     model.model.layers[0].eval()  # a user's mixed modes (a frozen block)
     modes = {name: m.training for name, m in model.named_modules()}
