@@ -42,6 +42,21 @@ def _loss_and_grads(fn, h, w, b, t, scale=1.0, **kwargs):
     return loss.detach(), torch.autograd.grad(loss * scale, wrt)
 
 
+def _assert_matches(inputs, fn=linear_cross_entropy, expected_inputs=None, reference=linear_cross_entropy_reference,
+                    loss_tol=None, grad_tol=None, **kwargs):
+    """fn's loss and gradients on inputs (h, w, b, t) against the reference's on expected_inputs (default the same
+    inputs), compared on the CPU, with (rtol, atol) tolerances (None: assert_close's defaults for the dtype).
+    Returns fn's (loss, gradients)."""
+    loss, grads = _loss_and_grads(fn, *inputs, **kwargs)
+    want_loss, want_grads = _loss_and_grads(reference, *(expected_inputs or inputs), **kwargs)
+    rtol, atol = loss_tol or (None, None)
+    torch.testing.assert_close(loss.cpu(), want_loss.cpu(), rtol=rtol, atol=atol)
+    rtol, atol = grad_tol or (None, None)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=rtol, atol=atol)
+    return loss, grads
+
+
 def test_chunk_columns_bound_a_slices_logits():
     assert chunk_columns(4096, 128256, 512) == lce_module.CHUNK_ELEMENTS // 4096
     assert chunk_columns(16384, 128256, 4096) == 4096  # a large model's slice: as large as its hidden states
@@ -65,41 +80,24 @@ def test_hand_computed_loss_and_gradient():
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_matches_plain_pytorch_over_several_chunks(small_chunks, device, reduction, bias):
-    h, w, b, t = _inputs(device, bias=bias)
-    loss, grads = _loss_and_grads(linear_cross_entropy, h, w, b, t, scale=2.5, reduction=reduction)
-    ref_loss, ref_grads = _loss_and_grads(linear_cross_entropy_reference, h, w, b, t, scale=2.5, reduction=reduction)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    _assert_matches(_inputs(device, bias=bias), scale=2.5, reduction=reduction, loss_tol=(1e-12, 1e-12),
+                    grad_tol=(1e-10, 1e-12))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_float32_and_autocast_match_plain_pytorch(small_chunks, device):
-    h, w, b, t = _inputs(device, dtype=torch.float32)
-    loss, grads = _loss_and_grads(linear_cross_entropy, h, w, b, t)
-    ref_loss, ref_grads = _loss_and_grads(linear_cross_entropy_reference, h, w, b, t)
-    torch.testing.assert_close(loss, ref_loss)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want)
+    inputs = _inputs(device, dtype=torch.float32)
+    _assert_matches(inputs)
     # Under autocast the products run in bf16 as F.linear's would; the loss stays fp32.
     with torch.autocast(device, dtype=torch.bfloat16):
-        loss, grads = _loss_and_grads(linear_cross_entropy, h, w, b, t)
-        ref_loss, ref_grads = _loss_and_grads(linear_cross_entropy_reference, h, w, b, t)
+        loss, grads = _assert_matches(inputs, loss_tol=(2e-2, 2e-2), grad_tol=(5e-2, 1e-2))
     assert loss.dtype == torch.float32 and [g.dtype for g in grads] == [torch.float32] * 3
-    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=2e-2)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want, rtol=5e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_inputs(small_chunks, device):
-    h, w, b, t = _inputs(device, dtype=torch.bfloat16)
-    loss, grads = _loss_and_grads(linear_cross_entropy, h, w, b, t)
-    ref_loss, ref_grads = _loss_and_grads(linear_cross_entropy_reference, h, w, b, t)
+    loss, grads = _assert_matches(_inputs(device, dtype=torch.bfloat16), loss_tol=(1e-2, 1e-2), grad_tol=(5e-2, 2e-2))
     assert loss.dtype == torch.float32 and all(g.dtype == torch.bfloat16 for g in grads)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=1e-2)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=2e-2)
 
 
 def test_every_row_ignored_gives_what_cross_entropy_gives(small_chunks):
@@ -113,11 +111,7 @@ def test_every_row_ignored_gives_what_cross_entropy_gives(small_chunks):
 def test_ignore_index_other_than_minus_100(small_chunks):
     h, w, b, t = _inputs("cpu")
     t = t.masked_fill(t == -100, 7)
-    loss, grads = _loss_and_grads(linear_cross_entropy, h, w, b, t, ignore_index=7)
-    ref_loss, ref_grads = _loss_and_grads(linear_cross_entropy_reference, h, w, b, t, ignore_index=7)
-    torch.testing.assert_close(loss, ref_loss)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want)
+    _assert_matches((h, w, b, t), ignore_index=7)
 
 
 def test_only_the_wanted_gradients(small_chunks):
@@ -160,13 +154,8 @@ def test_second_derivative_is_refused(small_chunks):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_torch_compile_matches_eager(small_chunks, device):
-    h, w, b, t = _inputs(device, dtype=torch.float32)
     compiled = torch.compile(linear_cross_entropy, fullgraph=True)
-    loss, grads = _loss_and_grads(compiled, h, w, b, t)
-    ref_loss, ref_grads = _loss_and_grads(linear_cross_entropy, h, w, b, t)
-    torch.testing.assert_close(loss, ref_loss)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want)
+    _assert_matches(_inputs(device, dtype=torch.float32), fn=compiled, reference=linear_cross_entropy)
 
 
 @pytest.mark.skipif(not xla_available(), reason="torch_xla is not installed")
@@ -175,12 +164,8 @@ def test_xla_tensors_take_plain_ops_per_slice(small_chunks):
 
     dev = torch_xla.device()
     h, w, b, t = _inputs("cpu", dtype=torch.float32)
-    hx, wx, bx = (x.detach().to(dev).requires_grad_() for x in (h, w, b))
-    loss, grads = _loss_and_grads(linear_cross_entropy, hx, wx, bx, t.to(dev))
-    ref_loss, ref_grads = _loss_and_grads(linear_cross_entropy_reference, h, w, b, t)
-    torch.testing.assert_close(loss.cpu(), ref_loss)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got.cpu(), want)
+    on_xla = tuple(x.detach().to(dev).requires_grad_() for x in (h, w, b))
+    _assert_matches((*on_xla, t.to(dev)), expected_inputs=(h, w, b, t))
 
 
 def test_bad_input_names_the_argument():

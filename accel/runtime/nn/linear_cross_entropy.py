@@ -104,7 +104,7 @@ def _slice_fn(fn, device: torch.device):
     return _COMPILED[fn]
 
 
-def _prepared(hidden, target, ignore_index):
+def _prepared(target, ignore_index):
     valid = target != ignore_index
     return valid, target.masked_fill(~valid, 0)
 
@@ -115,7 +115,7 @@ def _fwd(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     """(the loss summed over the rows not ignored [], each row's logsumexp [N]), in the accumulation dtype."""
     acc = _accumulation_dtype(hidden.dtype)
     rows, vocab = hidden.shape[0], weight.shape[0]
-    valid, safe_target = _prepared(hidden, target, ignore_index)
+    valid, safe_target = _prepared(target, ignore_index)
     running_max = torch.full((rows,), float("-inf"), dtype=acc, device=hidden.device)
     running_sum = torch.zeros_like(running_max)
     picked = torch.zeros_like(running_max)
@@ -143,7 +143,7 @@ def _bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bi
     """The gradients of hidden, weight and bias for the summed loss's gradient grad_loss []; each one not wanted
     is an empty tensor."""
     rows, vocab = hidden.shape[0], weight.shape[0]
-    valid, safe_target = _prepared(hidden, target, ignore_index)
+    valid, safe_target = _prepared(target, ignore_index)
     row_grad = valid.to(lse.dtype) * grad_loss.to(lse.dtype)
     grad_hidden = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device)
     grad_weight = _SliceGradient(weight, want_weight)
