@@ -29,6 +29,12 @@ def _model(family: str, **extra):
     if family == "mixtral":  # adds its router's auxiliary loss
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **common, num_local_experts=2, output_router_logits=True, **extra))
+    if family == "granite":  # divides its logits by logits_scaling
+        return transformers.GraniteForCausalLM(transformers.GraniteConfig(**common, logits_scaling=4.0, **extra))
+    if family == "opt":  # a decoder of another build: learned positions, its own projection sizes
+        return transformers.OPTForCausalLM(transformers.OPTConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+            word_embed_proj_dim=32, dropout=0.0, **extra))
     config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                                  "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
     return model_class(config_class(**common, **extra))
@@ -58,7 +64,7 @@ def _assert_same_grads(model, reference):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2", "opt"])
 def test_training_loss_and_gradients_equal_the_models_own(family, device):
     model, reference = _pair(family, device)
     ids, labels = _batch(device)
@@ -126,7 +132,8 @@ def test_hooks_on_the_head_send_calls_to_the_models_own_forward():
     assert calls == [(3, 11, VOCAB)] and out.logits is not None
 
 
-@pytest.mark.parametrize("family, why", [("gemma2", "logits are not lm_head"), ("mixtral", "loss is not")])
+@pytest.mark.parametrize("family, why", [("gemma2", "logits are not lm_head"), ("granite", "logits are not lm_head"),
+                                         ("mixtral", "loss is not")])
 def test_a_head_that_does_more_is_refused(family, why):
     model = _model(family).train()
     reference = copy.deepcopy(model)
