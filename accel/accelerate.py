@@ -52,7 +52,9 @@ What it does, in order (each step says why it sits where it does):
    (switched on at the start, before anything touches the device), FSDPv2 shards the parameters over the
    mesh's 'fsdp' axis, and the loader splits each batch over the mesh (accel.xla.fsdp).
    Gradient accumulation: `with accel.accumulate(model, steps):` around each micro-batch.
-9. the loader: each rank gets its share (a DistributedSampler; accel.data.sharding), made resumable
+9. the loader (input_ids padded with the model's config.pad_token_id where dataloader.pad_value_dict leaves
+   the default 0: a decoder's sequence classifier finds each row's last token by it): each rank gets its share
+   (a DistributedSampler; accel.data.sharding), made resumable
    (accel.data.ResumableLoader: accel.save_state records the epoch and position, set_epoch at every
    pass), then static shapes by bucketing (dataloader.buckets / max_length / num_buckets: every batch
    padded to a bucket length) or packing; or, with dataloader.drop_full_masks, a transformers model's
@@ -204,6 +206,17 @@ def _compile(model: nn.Module, backend: str, cuda_graphs: bool, n_shapes: int, i
         cudagraph_skips.watch()  # Inductor falling back to a launch per kernel says so only in a log that is off
 
 
+def _pad_with_models_pad_id(config: Config, model: nn.Module) -> None:
+    """input_ids left at the default pad value get the model's own pad token id (config.dataloader.pad_value_dict):
+    a decoder's sequence classifier finds each row's last token by it."""
+    from accel.config import DEFAULT_PAD_VALUES
+
+    pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+    pad_values = config.dataloader.pad_value_dict
+    if isinstance(pad_id, int) and pad_id >= 0 and pad_values.get("input_ids") == DEFAULT_PAD_VALUES["input_ids"]:
+        pad_values["input_ids"] = pad_id
+
+
 def _wrap_loader(loader, config: Config, backend: str, device: torch.device, input_sharding=None,
                  drop_full_masks: bool = False):
     from accel.data.bucketing import BucketPaddedLoader
@@ -297,8 +310,9 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
     if config.memory.keep_freed_memory and _runs_on_cpu(backend):
         keep_freed_memory()
     model = model.to(device)
-    # before any wrapper hides the model's class
+    # before any wrapper hides the model's class (and its config)
     drop_full_masks = config.dataloader.drop_full_masks and dataloader is not None and reads_no_mask_as_full(model)
+    _pad_with_models_pad_id(config, model)
     if onednn_products:  # eager calls; compiled graphs get a graph pass (below)
         from torch.nn.modules.linear import Linear
 

@@ -211,7 +211,10 @@ class DataLoaderConfig(_Section):
     max_length + num_buckets: the same, with num_buckets lengths evenly spaced up to max_length
         (multiples of 8, which tensor cores like); buckets wins when both are given.
     max_length alone: one bucket, every batch padded to max_length.
-    pad_value_dict: the value each padded field gets (fields not named are padded with 0).
+    pad_value_dict: the value each padded field gets (fields not named are padded with 0). input_ids left at
+        the default 0 are padded with the model's config.pad_token_id where it has another one (accelerate()):
+        a decoder's sequence classifier (GPT-2, Llama) finds each row's last token by that id, and read a
+        bucket's padding as tokens when it was 0 (logits 0.29 off the unpadded batch's).
     pack: pack several samples into each row of max_length tokens instead (accel.data.packing):
         no padding but the row tail; the samples stay apart (see accel.data.packing). Encoders (masked LM,
         token and sequence classification), causal language models and decoders' sequence classifiers

@@ -437,6 +437,45 @@ def test_bucketed_loader_produces_only_bucket_shapes_with_the_same_data():
     assert seen == [16, 32, 32, 16]
 
 
+def _gpt2_classifier(pad_token_id):
+    torch.manual_seed(0)
+    return transformers.GPT2ForSequenceClassification(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, num_labels=2, pad_token_id=pad_token_id, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0)).eval()
+
+
+def test_buckets_pad_input_ids_with_the_models_pad_token():
+    """A decoder's classifier takes each row's last token that is not config.pad_token_id: bucket padding with
+    TorchAcc's default 0 would be read as tokens. Its loader pads as its tokenizer does (pad id 50)."""
+    pad = 50
+
+    def pad_with(batch):
+        out = pad_to_longest(batch)
+        out["input_ids"] = out["input_ids"].masked_fill(out["attention_mask"] == 0, pad)
+        return out
+
+    data = samples(LENGTHS)
+    reference = _gpt2_classifier(pad)
+    config = cpu_config(compile=False, kernels=False)
+    config.dataloader.buckets = [16, 32]
+    model, wrapped = accel.accelerate(copy.deepcopy(reference), torch.utils.data.DataLoader(data, batch_size=2, collate_fn=pad_with),
+                                      config)
+    with torch.no_grad():
+        for got, plain in zip(wrapped, torch.utils.data.DataLoader(data, batch_size=2, collate_fn=pad_with)):
+            n = plain["input_ids"].shape[1]
+            assert (got["input_ids"][:, n:] == pad).all()
+            torch.testing.assert_close(model(**got).logits, reference(**plain).logits)
+    # a pad value the user set stays, and a model without a pad token keeps TorchAcc's 0
+    config.dataloader.pad_value_dict["input_ids"] = 7
+    _, wrapped = accel.accelerate(_gpt2_classifier(pad), torch.utils.data.DataLoader(data, batch_size=2, collate_fn=pad_to_longest),
+                                  config)
+    assert (next(iter(wrapped))["input_ids"][:, 9:] == 7).all()  # the first batch: lengths 5 and 9, bucket 16
+    config.dataloader.pad_value_dict["input_ids"] = 0
+    _, wrapped = accel.accelerate(_gpt2_classifier(None), torch.utils.data.DataLoader(data, batch_size=2, collate_fn=pad_to_longest),
+                                  config)
+    assert not next(iter(wrapped))["input_ids"][:, 9:].any()
+
+
 @pytest.mark.parametrize("background", [True, False], ids=["thread", "inline"])
 def test_background_prefetch_says_which_thread_reads_the_loader(background):
     config = cpu_config(compile=False, kernels=False)
