@@ -22,13 +22,11 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.linear import Linear
 
 from accel.runtime.nn.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
-from accel.runtime.nn.onednn_mm import OneDNNLinear
+from accel.runtime.nn.onednn_mm import PLAIN_LINEARS
 from accel.utils.transformers_models import CAUSAL_LM_HEADS, is_transformers_model
 
-_PLAIN_LINEARS = (Linear, OneDNNLinear)  # x @ W.T + b and nothing else
 # Arguments of a *ForCausalLM's forward that its base model does not take.
 _HEAD_ONLY = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "return_dict")
 _PROBE_TOLERANCE = 1e-5  # the loss: the same sum, in other order
@@ -51,7 +49,7 @@ class _FusedLossForward:
     def __call__(self, *args, **kwargs):
         head = self.model.get_output_embeddings()
         if (kwargs.get("labels") is None and kwargs.get("shift_labels") is None) or not torch.is_grad_enabled() \
-                or type(head) not in _PLAIN_LINEARS or head._forward_hooks or head._forward_pre_hooks:
+                or type(head) not in PLAIN_LINEARS or head._forward_hooks or head._forward_pre_hooks:
             return self._own(*args, **kwargs)
         labels, shift_labels = kwargs.get("labels"), kwargs.get("shift_labels")
         items, return_dict = kwargs.get("num_items_in_batch"), kwargs.get("return_dict")
@@ -148,7 +146,7 @@ def fuse_lm_loss(model: nn.Module) -> bool:
     name = type(lm).__name__
     head = lm.get_output_embeddings()
     why = ""
-    if type(head) not in _PLAIN_LINEARS:
+    if type(head) not in PLAIN_LINEARS:
         why = f"its output embeddings are a {type(head).__name__}, not a plain nn.Linear"
     elif lm.base_model is lm:
         why = "it has no base model apart from its head"

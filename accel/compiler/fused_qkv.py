@@ -24,16 +24,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.linear import Linear
 
 from accel.compiler.first_token import attend, attention_function
-from accel.runtime.nn.onednn_mm import OneDNNLinear
+from accel.runtime.nn.onednn_mm import PLAIN_LINEARS
 from accel.utils.transformers_models import is_transformers_model
 
 _PROJECTIONS = ("query", "key", "value")
-# torch's own class (not nn.Linear, which accel.runtime.hooks may point elsewhere) and accel's oneDNN one: both
-# compute x @ W.T + b and nothing else.
-_PLAIN_LINEARS = (Linear, OneDNNLinear)
 # Keyword arguments that make the module's forward do more than self-attention over hidden_states.
 _OWN_FORWARD_KWARGS = ("cache", "past_key_values", "past_key_value", "encoder_hidden_states",
                        "encoder_attention_mask", "head_mask")
@@ -77,7 +73,7 @@ def _plain(attn: nn.Module) -> bool:
     """Whether the three projections are plain nn.Linear without hooks, on one input size, all with or all
     without a bias (checked per call: hooks may be added after fuse_qkv)."""
     linears = [getattr(attn, name, None) for name in _PROJECTIONS]
-    return (all(type(linear) in _PLAIN_LINEARS for linear in linears)
+    return (all(type(linear) in PLAIN_LINEARS for linear in linears)
             and len({linear.in_features for linear in linears}) == 1
             and len({linear.bias is None for linear in linears}) == 1
             and len({(linear.weight.dtype, linear.weight.device) for linear in linears}) == 1

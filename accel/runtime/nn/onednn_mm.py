@@ -206,3 +206,9 @@ class OneDNNLinear(_TorchLinear):
             if onednn_faster(rows, w.t(), self.bias):
                 return onednn_mm(rows, w.t(), self.bias).view(*x.shape[:-1], out_features)
         return F.linear(x, w, self.bias)
+
+
+# Linear layers that compute x @ W.T + b and nothing else: torch's own class (not nn.Linear, which
+# accel.runtime.hooks may point elsewhere) and accel's oneDNN one. Model transforms that compute a layer's product
+# themselves (fused projections, the fused LM loss) take these and leave any other (LoRA, quantised) alone.
+PLAIN_LINEARS = (_TorchLinear, OneDNNLinear)
