@@ -82,6 +82,7 @@ from accel.config import Config
 from accel.data.full_mask import reads_no_mask_as_full
 from accel.runtime.host_memory import keep_freed_memory
 from accel.utils.cpu import native, warn_emulated
+from accel.utils.instance_forward import InstanceForward
 from accel.utils.xla import require_xla, xla_available, xla_on_accelerator, xla_on_cpu_client
 
 __all__ = ["accelerate", "resolve_backend"]
@@ -129,13 +130,11 @@ def _autocast_dtype(config: Config, backend: str) -> torch.dtype | None:
     return wanted
 
 
-class _AutocastForward:
-    """The model's forward under autocast. Set as the instance's `forward`, so module names, hooks and
-    state_dict keys stay unchanged; a plain object (not a closure) so the model still pickles."""
+class _AutocastForward(InstanceForward):
+    """The model's forward under autocast (an instance forward: accel.utils.instance_forward)."""
 
     def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype, cache_casts: bool = True):
-        self.module = module
-        self.inner = module.__dict__.get("forward")  # an instance forward set before us, if any
+        super().__init__(module)
         self.device_type = device_type
         self.dtype = dtype
         self.cache_casts = cache_casts
@@ -143,9 +142,7 @@ class _AutocastForward:
     def __call__(self, *args, **kwargs):
         # checked by accelerate(); traced under compile
         with torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=self.cache_casts):
-            if self.inner is not None:
-                return self.inner(*args, **kwargs)
-            return type(self.module).forward(self.module, *args, **kwargs)
+            return self.own(*args, **kwargs)
 
 
 def _onednn_products(library: str, backend: str) -> bool:
@@ -349,8 +346,7 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
     if dtype is not None:  # outermost: PackedModel calls parts of the model, not its forward
         # a forward captured in a CUDA graph (compute.step_graph) must not cache weight casts (torch.cuda.graph's
         # rule for autocast); elsewhere the cache saves a cast per use of a weight
-        object.__setattr__(model, "forward", _AutocastForward(model, device.type, dtype,
-                                                              cache_casts=not config.compute.step_graph))
+        _AutocastForward(model, device.type, dtype, cache_casts=not config.compute.step_graph).install()
     model = distributed.wrap_model(model, backend, device, config.dist, dtype)
     if compiled:
         n_shapes = len(config.dataloader.bucket_lengths() or ()) or 1  # packed or unbucketed: one length

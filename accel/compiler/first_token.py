@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from accel.compiler.unpadded_attention import ACCEL_SDPA, SDPA
+from accel.utils.instance_forward import InstanceForward
 
 # Heads that read position 0 of the encoder's last layer and nothing else of it (and that return no per-token
 # output): a pooler over hidden_states[:, 0] or a classification head over features[:, 0, :].
@@ -40,10 +41,9 @@ FIRST_TOKEN_HEADS = frozenset({
 _ATTENTION = (SDPA, ACCEL_SDPA, "eager")
 
 
-class _LastLayerForward:
+class _LastLayerForward(InstanceForward):
     """The last layer's forward: only the positions a classifier reads while asked to, else the layer's own
-    forward. Set as the instance's `forward`, so names, hooks and state_dict keys stay; a plain object so the
-    model still pickles.
+    forward (an instance forward: accel.utils.instance_forward).
 
     `active` (set by first_token_only's hooks around a call of the model) asks for position 0; `rows` (set by
     PackedModel around its call of the encoder) asks for the positions in a [B, S] index tensor, and the layer
@@ -51,8 +51,7 @@ class _LastLayerForward:
     """
 
     def __init__(self, layer: nn.Module):
-        self.layer = layer
-        self.inner = layer.__dict__.get("forward")  # an instance forward set before us, if any
+        super().__init__(layer)
         self.active = False
         self.rows: torch.Tensor | None = None
         self.hooked = False  # first_token_only has put its hooks on the model
@@ -71,14 +70,11 @@ class _LastLayerForward:
         if ((self.active or rows is not None) and len(args) <= 1 and encoder_states is None
                 and kwargs.get("past_key_values") is None and kwargs.get("encoder_attention_mask") is None
                 and _cuttable(attention_mask)
-                and self.layer.attention.self.config._attn_implementation in _ATTENTION):
+                and self.module.attention.self.config._attn_implementation in _ATTENTION):
             rest = {k: v for k, v in kwargs.items()
                     if k not in ("encoder_hidden_states", "encoder_attention_mask", "past_key_values")}
             return self.first_token(hidden_states, attention_mask, rows, **rest)
-        if self.inner is not None:
-            out = self.inner(hidden_states, attention_mask, *args, **kwargs)
-        else:
-            out = type(self.layer).forward(self.layer, hidden_states, attention_mask, *args, **kwargs)
+        out = self.own(hidden_states, attention_mask, *args, **kwargs)
         if rows is None:
             return out
         if isinstance(out, tuple):  # transformers before 5 returns (hidden_states, ...)
@@ -91,7 +87,7 @@ class _LastLayerForward:
         those positions ([B, S, H] -> [B, R, H])."""
         from accel.compiler.fused_qkv import fused_projections, runs_fused  # it imports this module
 
-        layer = self.layer
+        layer = self.module
         attn = layer.attention.self
         batch, length = hidden_states.shape[:2]
         picked = hidden_states[:, :1] if rows is None else _take_rows(hidden_states, rows)
@@ -180,8 +176,7 @@ def last_layer_rows(model: nn.Module) -> _LastLayerForward | None:
     layer = layers[-1]
     forward = layer.__dict__.get("forward")
     if not isinstance(forward, _LastLayerForward):
-        forward = _LastLayerForward(layer)
-        object.__setattr__(layer, "forward", forward)
+        forward = _LastLayerForward(layer).install()
     return forward
 
 

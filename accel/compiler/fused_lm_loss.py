@@ -25,6 +25,7 @@ from torch import nn
 
 from accel.runtime.nn.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
 from accel.runtime.nn.onednn_mm import PLAIN_LINEARS
+from accel.utils.instance_forward import InstanceForward
 from accel.utils.transformers_models import CAUSAL_LM_HEADS, is_transformers_model
 
 # Arguments of a *ForCausalLM's forward that its base model does not take.
@@ -32,29 +33,23 @@ _HEAD_ONLY = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", 
 _PROBE_TOLERANCE = 1e-5  # the loss: the same sum, in other order
 
 
-class _FusedLossForward:
-    """The model's forward with the fused head and loss for training calls with labels. Set as the instance's
-    `forward`, so names, hooks and state_dict keys stay; a plain object so the model still pickles."""
+class _FusedLossForward(InstanceForward):
+    """The model's forward with the fused head and loss for training calls with labels (an instance forward:
+    accel.utils.instance_forward)."""
 
     def __init__(self, model: nn.Module, output_type: type):
-        self.model = model
-        self.inner = model.__dict__.get("forward")  # an instance forward set before us, if any
+        super().__init__(model)
         self.output_type = output_type
 
-    def _own(self, *args, **kwargs):
-        if self.inner is not None:
-            return self.inner(*args, **kwargs)
-        return type(self.model).forward(self.model, *args, **kwargs)
-
     def __call__(self, *args, **kwargs):
-        head = self.model.get_output_embeddings()
+        head = self.module.get_output_embeddings()
         if (kwargs.get("labels") is None and kwargs.get("shift_labels") is None) or not torch.is_grad_enabled() \
                 or type(head) not in PLAIN_LINEARS or head._forward_hooks or head._forward_pre_hooks:
-            return self._own(*args, **kwargs)
+            return self.own(*args, **kwargs)
         labels, shift_labels = kwargs.get("labels"), kwargs.get("shift_labels")
         items, return_dict = kwargs.get("num_items_in_batch"), kwargs.get("return_dict")
         base_kwargs = {k: v for k, v in kwargs.items() if k not in _HEAD_ONLY}
-        out = self.model.base_model(*args, **base_kwargs)
+        out = self.module.base_model(*args, **base_kwargs)
         hidden = out[0]
         loss = causal_lm_loss(hidden, head, labels, shift_labels, items)
         fields = {"loss": loss, **{k: getattr(out, k, None) for k in ("past_key_values", "hidden_states",
@@ -155,5 +150,5 @@ def fuse_lm_loss(model: nn.Module) -> bool:
     if why:
         warnings.warn(f"memory.fused_lm_loss: {name} keeps its own head and loss: {why}", stacklevel=3)
         return False
-    object.__setattr__(lm, "forward", _FusedLossForward(lm, output_type))
+    _FusedLossForward(lm, output_type).install()
     return True

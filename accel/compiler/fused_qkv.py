@@ -27,6 +27,7 @@ from torch import nn
 
 from accel.compiler.first_token import attend, attention_function
 from accel.runtime.nn.onednn_mm import PLAIN_LINEARS
+from accel.utils.instance_forward import InstanceForward
 from accel.utils.transformers_models import is_transformers_model
 
 _PROJECTIONS = ("query", "key", "value")
@@ -35,17 +36,14 @@ _OWN_FORWARD_KWARGS = ("cache", "past_key_values", "past_key_value", "encoder_hi
                        "encoder_attention_mask", "head_mask")
 
 
-class _FusedQKVForward:
-    """A self-attention module's forward with one projection GEMM. Set as the instance's `forward`, so names,
-    hooks and state_dict keys stay; a plain object so the model still pickles."""
-
-    def __init__(self, attn: nn.Module):
-        self.attn = attn
+class _FusedQKVForward(InstanceForward):
+    """A self-attention module's forward with one projection GEMM (an instance forward:
+    accel.utils.instance_forward)."""
 
     def __call__(self, hidden_states, attention_mask=None, *args, **kwargs):
-        attn = self.attn
+        attn = self.module
         if args or any(kwargs.get(name) is not None for name in _OWN_FORWARD_KWARGS) or not _plain(attn):
-            return type(attn).forward(attn, hidden_states, attention_mask, *args, **kwargs)
+            return self.own(hidden_states, attention_mask, *args, **kwargs)
         kwargs = {k: v for k, v in kwargs.items() if k not in _OWN_FORWARD_KWARGS}
         query, key, value = fused_projections(attn, hidden_states)
         output, weights = attend(attn, query, key, value, attention_mask, **kwargs)
@@ -115,6 +113,6 @@ def fuse_qkv(model: nn.Module) -> int:
         if isinstance(module.__dict__.get("forward"), _FusedQKVForward):
             fused += 1
         elif "forward" not in module.__dict__ and _self_attention(module):  # another instance forward: its own
-            object.__setattr__(module, "forward", _FusedQKVForward(module))
+            _FusedQKVForward(module).install()
             fused += 1
     return fused
