@@ -17,13 +17,15 @@ not a backend here.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from accel.compiler.first_token import last_layer_rows, sees_every_position
-from accel.compiler.unpadded_attention import ACCEL_SDPA, SDPA
+from accel.compiler.unpadded_attention import ACCEL_SDPA, SDPA, SEGMENT_IDS
 from accel.data.packing import LABEL_PAD, block_diagonal_mask
 from accel.utils.transformers_models import CAUSAL_LM_HEADS
 
@@ -109,6 +111,10 @@ def sliding_window(config) -> tuple[int | None, bool]:
         return window, True
     sliding = [t == "sliding_attention" for t in types]
     return (window, all(sliding)) if any(sliding) else (None, False)
+
+
+def _takes_var_keywords(fn) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
 
 
 def _pools_first_token(pooler: nn.Module, hidden_size: int) -> bool:
@@ -216,6 +222,8 @@ class PackedModel(nn.Module):
             raise ValueError(f"model {name} has an unsupported head; PackedModel supports "
                              f"*{', *'.join(_TOKEN_HEADS + CAUSAL_LM_HEADS)} and *{_SEQUENCE_HEAD}")
         self.model = model
+        # Whether extra keyword arguments reach the attention functions (transformers 5's **kwargs)
+        self._passes_kwargs = all(_takes_var_keywords(type(m).forward) for m in (model, model.base_model))
         # The selecting forward of the last layer (a plain object, not a submodule), or None: the full layer.
         self._last_layer = last_layer_rows(model) if first_tokens_only and self.head == "sequence" else None
         self.register_state_dict_post_hook(_state_dict_without_wrapper)
@@ -302,6 +310,11 @@ class PackedModel(nn.Module):
             local = document_mask(segment_ids, backend, dtype=self.model.dtype, causal=True, window=window)
             # transformers' models with local and global layers take one mask per kind of layer
             mask = local if every_layer else {"full_attention": mask, "sliding_attention": local}
+        if (backend == ACCEL_SDPA and input_ids.device.type == "cpu" and not isinstance(mask, dict)
+                and self._passes_kwargs):
+            # ACCEL_SDPA's attention computes each sample alone on the CPU (accel.runtime.nn.varlen_attention):
+            # the work of the samples, not of the whole row masked
+            kwargs[SEGMENT_IDS] = segment_ids
         if token_type_ids is not None:  # not every model takes them (Llama does not)
             kwargs["token_type_ids"] = token_type_ids
         if decoder:

@@ -35,6 +35,8 @@ from accel.utils.transformers_models import is_transformers_model
 
 SDPA = "sdpa"
 ACCEL_SDPA = "accel_sdpa"
+# The keyword argument PackedModel passes down to ACCEL_SDPA's attention: the rows' [B, L] segment ids.
+SEGMENT_IDS = "accel_segment_ids"
 
 
 def _mask_builder(sdpa_mask):
@@ -73,11 +75,29 @@ def _plain_attention(query, key, value, attention_mask, scaling, dropout_layer: 
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
+def _per_sample(module: nn.Module, query, key, segments, dropout: float, kwargs: dict) -> bool:
+    """Whether a call given packed rows' segment ids computes, with varlen_attention, what its document mask gives:
+    self-attention over the whole row on the CPU, without dropout, a sliding window, soft-capping or a bias."""
+    return (query.device.type == "cpu" and query.shape[2] == key.shape[2] == segments.shape[1]
+            and not (dropout > 0 and module.training) and getattr(module, "sliding_window", None) is None
+            and all(kwargs.get(name) is None for name in ("sliding_window", "softcap", "position_bias", "cache",
+                                                          "s_aux", "head_mask")))
+
+
 def _attention(sdpa_forward):
-    """transformers' SDPA attention function, or _plain_attention while training with the module's own dropout
+    """transformers' SDPA attention function; per sample (varlen_attention) for packed rows on the CPU, given their
+    segment ids (SEGMENT_IDS, from PackedModel); or _plain_attention while training with the module's own dropout
     layer (encoder self-attention with as many key as query heads, nothing else asked of SDPA)."""
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        segments = kwargs.pop(SEGMENT_IDS, None)
+        if segments is not None and _per_sample(module, query, key, segments, dropout, kwargs):
+            from accel.runtime.nn.varlen_attention import varlen_attention
+
+            causal = kwargs.get("is_causal")
+            causal = bool(getattr(module, "is_causal", False) if causal is None else causal)
+            out = varlen_attention(query, key, value, segments, is_causal=causal, scale=scaling)
+            return out.transpose(1, 2).contiguous(), None
         layer = _own_dropout(module, dropout) if dropout > 0 and module.training else None
         if (layer is None or key.shape[1] != query.shape[1] or getattr(module, "is_causal", False)
                 or any(kwargs.get(name) is not None for name in ("is_causal", "position_bias", "cache", "softcap"))):

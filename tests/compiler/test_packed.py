@@ -3,6 +3,8 @@
 The reference is the same weights in a model with eager attention, run on each sample alone (batch 1, no
 padding, default position ids), so neither the mask nor the packing code is shared with what is checked.
 """
+import copy
+
 import pytest
 import torch
 
@@ -593,3 +595,29 @@ def test_sliding_window_document_mask_by_hand_and_the_configs_that_slide():
     assert sliding_window(transformers.Gemma2Config(sliding_window=8, num_hidden_layers=2)) == (8, False)
     assert sliding_window(transformers.Qwen2Config(sliding_window=8, use_sliding_window=False)) == (None, False)
     assert sliding_window(transformers.LlamaConfig()) == (None, False)
+
+
+def test_accel_sdpa_computes_each_packed_sample_alone_on_the_cpu(monkeypatch):
+    """A Llama with "accel_sdpa" attention on packed rows: each sample's attention is the flash kernel over that
+    sample alone (accel.runtime.nn.varlen_attention: the work of the samples, not of the masked row), with the
+    same logits, loss and gradients as the row's document mask gives (the attention told nothing of segments)."""
+    import accel.runtime.nn.varlen_attention as va
+
+    packed, _ = _causal_models("llama", ACCEL_SDPA, "cpu")
+    masked = PackedModel(copy.deepcopy(packed.model))
+    masked._passes_kwargs = False  # the document mask alone
+    runs = []
+    flash = va._flash
+    monkeypatch.setattr(va, "_flash", lambda q, *a, **k: (runs.append(q.shape[2]), flash(q, *a, **k))[1])
+    segment_ids = torch.tensor([[1] * 7 + [2] * 3 + [3] * 11 + [0] * 3])
+    position_ids = torch.tensor([list(range(7)) + list(range(3)) + list(range(11)) + list(range(3))])
+    ids = torch.randint(1, VOCAB, (1, 24), generator=torch.Generator().manual_seed(0))
+    out = packed(input_ids=ids, position_ids=position_ids, segment_ids=segment_ids, labels=ids)
+    assert runs == [7, 3, 11, 3] * packed.config.num_hidden_layers
+    runs.clear()
+    want = masked(input_ids=ids, position_ids=position_ids, segment_ids=segment_ids, labels=ids)
+    assert runs == []
+    torch.testing.assert_close(out.logits, want.logits, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    want.loss.backward()
+    _assert_same_grads(packed, masked.model, "cpu")

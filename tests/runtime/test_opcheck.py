@@ -36,11 +36,13 @@ EXPECTED_OPS = {
     "window_process_partition", "window_process_reverse",
     "onednn_mm",
     "linear_cross_entropy_fwd", "linear_cross_entropy_bwd",
+    "varlen_attention_fwd", "varlen_attention_bwd",
 }
 
 PACKAGES = ("accel.runtime.nn", "accel.runtime.optim")
 # Ops defined in Python (torch.library.custom_op) on top of torch's own kernels: no csrc of their own.
-PYTHON_OPS = ("accel.runtime.nn.onednn_mm", "accel.runtime.nn.linear_cross_entropy")
+PYTHON_OPS = ("accel.runtime.nn.onednn_mm", "accel.runtime.nn.linear_cross_entropy",
+              "accel.runtime.nn.varlen_attention")
 
 
 def _op_libraries() -> list[str]:
@@ -249,6 +251,19 @@ def _linear_cross_entropy_bwd(device, dtype, gen, *, bias=True, want_weight=True
     return grad, hidden, weight, b, target, lse, ignore_index, True, want_weight, bias
 
 
+def _varlen_attention_fwd(device, dtype, gen, *, causal=True):
+    q, k, v = (_randn((2, 3, 12, 4), device, dtype, gen, requires_grad=True) for _ in range(3))
+    segments = torch.tensor([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12], device=device)
+    return q, k, v, segments, causal, 0.5
+
+
+def _varlen_attention_bwd(device, dtype, gen):
+    q, k, v, segments, causal, scale = _varlen_attention_fwd(device, dtype, gen)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    out, lse = torch.ops.accel.varlen_attention_fwd(q, k, v, segments, causal, scale)
+    return _randn(q.shape, device, dtype, gen), q, k, v, out, lse, segments, causal, scale
+
+
 def _dcn_v2_bwd(device, dtype, gen, *, masked=True):
     x, offset, weight, b, mask, stride, padding, dilation = _dcn_v2_fwd(device, dtype, gen, masked=masked)
     x, offset, weight = x.detach(), offset.detach(), weight.detach()
@@ -329,6 +344,9 @@ CASES = [
     Case("linear_cross_entropy_bwd", "bias", _linear_cross_entropy_bwd, (F32, BF16)),
     Case("linear_cross_entropy_bwd", "frozen_weight_no_bias", _linear_cross_entropy_bwd, (F32,),
          {"bias": False, "want_weight": False}),
+    Case("varlen_attention_fwd", "causal", _varlen_attention_fwd, cpu_only=True),
+    Case("varlen_attention_fwd", "bidirectional", _varlen_attention_fwd, (F32,), {"causal": False}, cpu_only=True),
+    Case("varlen_attention_bwd", "causal", _varlen_attention_bwd, (F32, BF16), cpu_only=True),
     Case("onednn_mm", "bias", _onednn_mm, (F32,), marks=NEEDS_ONEDNN, cpu_only=True),
     Case("onednn_mm", "weight_transposed_no_bias", _onednn_mm, (F32,), {"bias": False, "transposed": True},
          marks=NEEDS_ONEDNN, cpu_only=True),

@@ -1,0 +1,136 @@
+"""Attention over packed rows computed one sample at a time on the CPU (varlen attention).
+
+A packed row of L tokens holds several samples, each attending only to itself (accel.compiler.packed): with a
+[B, 1, L, L] document mask SDPA computes every query against every key of the row and masks most of them away
+(rows of 1024 holding samples of ~200 tokens: ~5x the work the samples need, causal or not). torch's CPU flash
+kernel has no variable-length form, so `varlen_attention` calls it once per sample (each run of equal segment ids),
+without a mask, causal where asked: the work of each sample alone. Forward and backward are torch.library ops
+(`accel::varlen_attention_fwd` / `_bwd`, fake kernels, autograd formula), opaque to a compiled graph, whose
+lengths they read on the host. CPU only: on CUDA the document mask (or FlexAttention's block mask) stays.
+"""
+from __future__ import annotations
+
+import torch
+
+from accel.runtime.nn._common import check_tensor
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The flash kernel's logsumexp dtype: its accumulation type."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def segment_runs(segment_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """[(start, end), ...] per row of segment_ids [B, L]: the runs of equal ids (the row's padding is a run too)."""
+    runs = []
+    for row in segment_ids.tolist():
+        starts = [0] + [i for i in range(1, len(row)) if row[i] != row[i - 1]]
+        runs.append(list(zip(starts, starts[1:] + [len(row)])))
+    return runs
+
+
+@torch.library.custom_op("accel::varlen_attention_fwd", mutates_args=())
+def _fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segment_ids: torch.Tensor, is_causal: bool,
+         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assumptions: query, key, value [B, H, L, D] on the CPU, one dtype, as many key as query heads;
+    segment_ids [B, L], each sample one run of equal ids. Returns (output [B, H, L, D], logsumexp [B, H, L] in the
+    accumulation dtype)."""
+    out = torch.empty_like(query)
+    lse = query.new_empty(query.shape[:3], dtype=_lse_dtype(query.dtype))
+    for b, runs in enumerate(segment_runs(segment_ids)):
+        for start, end in runs:
+            s = slice(start, end)
+            o, m = _flash(query[b:b + 1, :, s], key[b:b + 1, :, s], value[b:b + 1, :, s], 0.0, is_causal, scale=scale)
+            out[b:b + 1, :, s] = o
+            lse[b:b + 1, :, s] = m
+    return out, lse
+
+
+@_fwd.register_fake
+def _fwd_fake(query, key, value, segment_ids, is_causal, scale):
+    return torch.empty_like(query), query.new_empty(query.shape[:3], dtype=_lse_dtype(query.dtype))
+
+
+@torch.library.custom_op("accel::varlen_attention_bwd", mutates_args=())
+def _bwd(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+         lse: torch.Tensor, segment_ids: torch.Tensor, is_causal: bool,
+         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of query, key and value, per sample (the assumptions of the forward op)."""
+    grads = [torch.empty_like(t) for t in (query, key, value)]
+    for b, runs in enumerate(segment_runs(segment_ids)):
+        for start, end in runs:
+            s = slice(start, end)
+            parts = _flash_backward(grad_out[b:b + 1, :, s], query[b:b + 1, :, s], key[b:b + 1, :, s],
+                                    value[b:b + 1, :, s], out[b:b + 1, :, s], lse[b:b + 1, :, s], 0.0, is_causal,
+                                    scale=scale)
+            for grad, part in zip(grads, parts):
+                grad[b:b + 1, :, s] = part
+    return tuple(grads)
+
+
+@_bwd.register_fake
+def _bwd_fake(grad_out, query, key, value, out, lse, segment_ids, is_causal, scale):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, segment_ids, is_causal, scale = inputs
+    ctx.save_for_backward(query, key, value, output[0], output[1], segment_ids)
+    ctx.is_causal, ctx.scale = is_causal, scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    if torch.is_grad_enabled():
+        raise RuntimeError("varlen_attention has no second derivative; use F.scaled_dot_product_attention with the "
+                           "document mask for double backward")
+    query, key, value, out, lse, segment_ids = ctx.saved_tensors
+    dq, dk, dv = torch.ops.accel.varlen_attention_bwd(grad_out.contiguous(), query, key, value, out, lse, segment_ids,
+                                                      ctx.is_causal, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segment_ids: torch.Tensor,
+                     is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T scale) v where each token attends only to the tokens of its own segment (and, causal, not to
+    later ones): `F.scaled_dot_product_attention` with the block-diagonal document mask, computed per segment.
+
+    Args:
+        query, key, value: [B, H, L, D] on the CPU (key and value may have fewer heads dividing H: grouped-query
+            attention, repeated here as transformers' SDPA path does).
+        segment_ids: [B, L] integer ids; each segment must be one run of equal ids (as packing lays samples out).
+        is_causal: each token attends to the earlier tokens of its segment and itself only.
+        scale: the scores' scale (default 1 / sqrt(D)).
+
+    Returns:
+        [B, H, L, D], query's dtype.
+
+    Raises:
+        TypeError / ValueError: shapes, dtypes or devices other than the above.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_tensor(name, t, ndim=4)
+        if t.device.type != "cpu":
+            raise ValueError(f"{name}: varlen_attention runs on the CPU, got a tensor on {t.device}")
+    check_tensor("segment_ids", segment_ids, dtypes=(torch.int64, torch.int32), ndim=2)
+    batch, heads, length, _ = query.shape
+    if key.shape != value.shape or key.shape[0] != batch or key.shape[2] != length or heads % key.shape[1]:
+        raise ValueError(f"key and value: expected [{batch}, H/g, {length}, D] for query {tuple(query.shape)}, "
+                         f"got {tuple(key.shape)} and {tuple(value.shape)}")
+    if segment_ids.shape != (batch, length):
+        raise ValueError(f"segment_ids: expected [{batch}, {length}], got {tuple(segment_ids.shape)}")
+    # As SDPA under autocast: one dtype for the three, the autocast dtype where autocast is on (a custom op gets
+    # its inputs as they are: rotary embeddings leave queries in fp32 next to bf16 keys).
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if key.shape[1] != heads:
+        key = key.repeat_interleave(heads // key.shape[1], dim=1)
+        value = value.repeat_interleave(heads // value.shape[1], dim=1)
+    scale = float(query.shape[-1] ** -0.5 if scale is None else scale)
+    out, _ = torch.ops.accel.varlen_attention_fwd(query, key, value, segment_ids, bool(is_causal), scale)
+    return out
