@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from accel.compiler.first_token import last_layer_rows, sees_every_position
-from accel.compiler.unpadded_attention import ACCEL_SDPA, SDPA, SEGMENT_IDS
+from accel.compiler.unpadded_attention import ACCEL_SDPA, SDPA, SEGMENT_IDS, SEGMENTS_CAUSAL
 from accel.data.packing import LABEL_PAD, block_diagonal_mask
 from accel.utils.transformers_models import CAUSAL_LM_HEADS
 
@@ -314,7 +314,7 @@ class PackedModel(nn.Module):
                 and self._passes_kwargs):
             # ACCEL_SDPA's attention computes each sample alone on the CPU (accel.runtime.nn.varlen_attention):
             # the work of the samples, not of the whole row masked
-            kwargs[SEGMENT_IDS] = segment_ids
+            kwargs[SEGMENT_IDS], kwargs[SEGMENTS_CAUSAL] = segment_ids, decoder
         if token_type_ids is not None:  # not every model takes them (Llama does not)
             kwargs["token_type_ids"] = token_type_ids
         if decoder:

@@ -35,8 +35,10 @@ from accel.utils.transformers_models import is_transformers_model
 
 SDPA = "sdpa"
 ACCEL_SDPA = "accel_sdpa"
-# The keyword argument PackedModel passes down to ACCEL_SDPA's attention: the rows' [B, L] segment ids.
+# The keyword arguments PackedModel passes down to ACCEL_SDPA's attention: the rows' [B, L] segment ids, and
+# whether its document mask is causal (a decoder's).
 SEGMENT_IDS = "accel_segment_ids"
+SEGMENTS_CAUSAL = "accel_segments_causal"
 
 
 def _mask_builder(sdpa_mask):
@@ -90,12 +92,11 @@ def _attention(sdpa_forward):
     layer (encoder self-attention with as many key as query heads, nothing else asked of SDPA)."""
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        segments = kwargs.pop(SEGMENT_IDS, None)
+        segments, causal = kwargs.pop(SEGMENT_IDS, None), kwargs.pop(SEGMENTS_CAUSAL, False)
         if segments is not None and _per_sample(module, query, key, segments, dropout, kwargs):
             from accel.runtime.nn.varlen_attention import varlen_attention
 
-            causal = kwargs.get("is_causal")
-            causal = bool(getattr(module, "is_causal", False) if causal is None else causal)
+            # causal as the document mask it replaces is (not as the module says: some do not say)
             out = varlen_attention(query, key, value, segments, is_causal=causal, scale=scaling)
             return out.transpose(1, 2).contiguous(), None
         layer = _own_dropout(module, dropout) if dropout > 0 and module.training else None

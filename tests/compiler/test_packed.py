@@ -597,23 +597,44 @@ def test_sliding_window_document_mask_by_hand_and_the_configs_that_slide():
     assert sliding_window(transformers.LlamaConfig()) == (None, False)
 
 
-def test_accel_sdpa_computes_each_packed_sample_alone_on_the_cpu(monkeypatch):
-    """A Llama with "accel_sdpa" attention on packed rows: each sample's attention is the flash kernel over that
-    sample alone (accel.runtime.nn.varlen_attention: the work of the samples, not of the masked row), with the
-    same logits, loss and gradients as the row's document mask gives (the attention told nothing of segments)."""
+def _varlen_model(family):
+    """A model with "accel_sdpa" attention and no attention dropout: a causal Llama or GPT-2, a BERT masked LM."""
+    torch.manual_seed(0)
+    if family == "bert":
+        model = transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa"))
+    else:
+        model = _decoder(family, "sdpa")
+    assert unpadded_attention(model)
+    return model.train()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
+def test_accel_sdpa_computes_each_packed_sample_alone_on_the_cpu(monkeypatch, family):
+    """Packed rows with "accel_sdpa" attention on the CPU: each sample's attention is the flash kernel over that
+    sample alone (accel.runtime.nn.varlen_attention: the work of the samples, not of the masked row; causal for
+    the decoders, bidirectional for BERT), with the same logits, loss and gradients as the row's document mask
+    gives (the attention told nothing of segments)."""
     import accel.runtime.nn.varlen_attention as va
 
-    packed, _ = _causal_models("llama", ACCEL_SDPA, "cpu")
+    packed = PackedModel(_varlen_model(family))
     masked = PackedModel(copy.deepcopy(packed.model))
     masked._passes_kwargs = False  # the document mask alone
     runs = []
     flash = va._flash
-    monkeypatch.setattr(va, "_flash", lambda q, *a, **k: (runs.append(q.shape[2]), flash(q, *a, **k))[1])
+
+    def counted(q, k, v, dropout, causal, **kwargs):
+        runs.append((q.shape[2], causal))
+        return flash(q, k, v, dropout, causal, **kwargs)
+
+    monkeypatch.setattr(va, "_flash", counted)
     segment_ids = torch.tensor([[1] * 7 + [2] * 3 + [3] * 11 + [0] * 3])
     position_ids = torch.tensor([list(range(7)) + list(range(3)) + list(range(11)) + list(range(3))])
     ids = torch.randint(1, VOCAB, (1, 24), generator=torch.Generator().manual_seed(0))
     out = packed(input_ids=ids, position_ids=position_ids, segment_ids=segment_ids, labels=ids)
-    assert runs == [7, 3, 11, 3] * packed.config.num_hidden_layers
+    causal = family != "bert"
+    assert runs == [(7, causal), (3, causal), (11, causal), (3, causal)] * packed.config.num_hidden_layers
     runs.clear()
     want = masked(input_ids=ids, position_ids=position_ids, segment_ids=segment_ids, labels=ids)
     assert runs == []
