@@ -4,10 +4,12 @@ A *ForCausalLM's forward with labels makes [B, L, vocabulary] logits and takes t
 their fp32 copy and their gradient are the largest tensors of a step once the vocabulary is large (Llama 3's
 128k tokens, Gemma's 256k). `fuse_lm_loss(model)` gives the model a forward that, in training calls with labels,
 runs the base model and computes the loss from its last hidden states with
-accel.runtime.nn.linear_cross_entropy (the head's product and the cross entropy a chunk of tokens at a time).
+accel.runtime.nn.linear_cross_entropy (the head's product and the cross entropy a slice of the vocabulary at a
+time).
 The output is the model's own output class with the loss and without logits (`logits` is None); hidden states
 and attentions are there when asked for. Every other call (no labels, no gradients: evaluation, generation)
-is the model's own forward, logits included.
+is the model's own forward, logits included, and so is a call passing more than input_ids by position (the
+head's and the base model's positional arguments differ past the first).
 
 Installed only where it computes what the model's own forward computes: the head must be a plain nn.Linear
 (`get_output_embeddings()`), and a probe at install time (4 tokens, no gradients, eval mode) compares the
@@ -44,7 +46,7 @@ class _FusedLossForward(InstanceForward):
     def __call__(self, *args, **kwargs):
         head = self.module.get_output_embeddings()
         if (kwargs.get("labels") is None and kwargs.get("shift_labels") is None) or not torch.is_grad_enabled() \
-                or type(head) not in PLAIN_LINEARS or head._forward_hooks or head._forward_pre_hooks:
+                or len(args) > 1 or type(head) not in PLAIN_LINEARS or head._forward_hooks or head._forward_pre_hooks:
             return self.own(*args, **kwargs)
         labels, shift_labels = kwargs.get("labels"), kwargs.get("shift_labels")
         items, return_dict = kwargs.get("num_items_in_batch"), kwargs.get("return_dict")
