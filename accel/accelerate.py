@@ -32,8 +32,9 @@ What it does, in order (each step says why it sits where it does):
    last layer computes each sample's first token alone. An encoder with "sdpa" attention switches to accel's
    "accel_sdpa" (accel.compiler.unpadded_attention): the same attention, without a mask when a batch has no
    padding mask, also under torch.compile (where transformers would build one), with the attention
-   module's own dropout layer where step 4 swapped it, and on packed rows on the CPU each sample's attention
-   computed alone (accel.runtime.nn.varlen_attention).
+   module's own dropout layer where step 4 swapped it, on packed rows on the CPU each sample's attention
+   computed alone (accel.runtime.nn.varlen_attention), and on the CPU an unmasked 16-bit training attention in
+   plain ops where a probe finds them faster than SDPA's flash kernel (compute.cpu_attention).
 7. compile (compute.compile): cuda and cpu compile the module in place with torch.compile, static
    shapes (one graph per bucket shape), CUDA graphs on cuda when compute.cuda_graphs (a graph Inductor runs
    without them gets a CudaGraphSkipWarning with its reason: accel.compiler.cudagraph_skips); calls carrying a
@@ -158,6 +159,18 @@ def _onednn_products(library: str, backend: str) -> bool:
             raise ValueError("compute.cpu_gemm: 'onednn' asked for, but this torch build has no oneDNN linear op")
         return True
     return distributed.all_ranks_agree(onednn_wins())  # every rank probes; all compute alike
+
+
+def _plain_training_attention(choice: str, backend: str, dtype: torch.dtype | None) -> bool:
+    """Whether an encoder's unmasked 16-bit training attention runs in plain ops (compute.cpu_attention; "auto":
+    where the probe found them faster on this CPU; accel.compiler.unpadded_attention)."""
+    if backend != "cpu" or dtype not in (torch.bfloat16, torch.float16) or choice == "sdpa":
+        return False
+    if choice == "plain":
+        return True
+    from accel.compiler.unpadded_attention import MIN_PLAIN_SPEEDUP, plain_attention_speedup
+
+    return distributed.all_ranks_agree(plain_attention_speedup(dtype) >= MIN_PLAIN_SPEEDUP)  # all compute alike
 
 
 def _retype(model: nn.Module, torch_class: type, subclass: type) -> None:
@@ -330,7 +343,7 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
 
         fuse_lm_loss(model)
     # Packed rows always have a mask; "accel_sdpa" still gives their attention the model's own dropout layer.
-    unpadded_attention(model)
+    unpadded_attention(model, plain_training=_plain_training_attention(config.compute.cpu_attention, backend, dtype))
     if config.compute.fuse_qkv:
         from accel.compiler.fused_qkv import fuse_qkv
 

@@ -23,6 +23,7 @@ from typing import Optional
 
 BACKENDS = ("auto", "xla", "cuda", "cpu")
 CPU_GEMM_LIBRARIES = ("auto", "onednn", "torch")
+CPU_ATTENTION = ("auto", "plain", "sdpa")
 DEFAULT_PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "labels": -100}
 
 
@@ -132,6 +133,15 @@ class ComputeConfig(_Section):
         BERT-base's fp32 products 1.7-2.4x as fast, and a compiled fp32 BERT-base 8x128 training step took
         1.36 s against 2.56 s. Timings near the margin may decide differently in two processes (rounding only):
         set "torch" for runs that must repeat bit for bit. bf16/fp16 products are oneDNN's already.
+    cpu_attention: how an encoder's unmasked bidirectional training attention runs in bf16/fp16 on the CPU
+        (cpu backend, transformers encoders with "sdpa" attention: accel.compiler.unpadded_attention): "plain"
+        (matmul, softmax, matmul, which Inductor fuses around the products, as transformers' eager attention),
+        "sdpa" (torch's SDPA, its flash kernel) or "auto" (plain where a probe run once per process finds it at
+        least 1.25x faster than SDPA here, forward + backward). Models without attention dropout hit it (ViT,
+        a BERT fine-tuned with attention_probs_dropout_prob=0); masked, causal and fp32 attention and calls
+        without gradients keep SDPA. torch's 16-bit CPU flash kernel is slow backwards without AMX: a 2-core
+        AMD EPYC with AVX512-BF16 (Zen 5), 2026-11-27: [8, 12, 197, 64] bf16 forward + backward 7.8 ms plain
+        against 29.8 ms; ViT-base training steps: see benchmarks/results/vit_base_cpu*.json.
     inductor_options: further torch._inductor.config settings for the model's compiled graphs (torch.compile's
         `options`), e.g. {"max_autotune": True} or {"combo_kernels": True}; each name must be one of
         Inductor's. CUDA graphs stay compute.cuda_graphs' ("triton.cudagraphs" is refused here). None set
@@ -151,15 +161,19 @@ class ComputeConfig(_Section):
     fuse_qkv: bool = False
     step_graph: bool = False
     cpu_gemm: str = "auto"
+    cpu_attention: str = "auto"
     inductor_options: dict = field(default_factory=dict)
 
     def _check(self) -> None:
         for f in fields(self):
-            if f.name not in ("cpu_gemm", "inductor_options"):
+            if f.name not in ("cpu_gemm", "cpu_attention", "inductor_options"):
                 _check_bool(self._name(f.name), getattr(self, f.name))
         if self.cpu_gemm not in CPU_GEMM_LIBRARIES:
             raise ValueError(f"compute.cpu_gemm: expected one of {', '.join(map(repr, CPU_GEMM_LIBRARIES))}, "
                              f"got {self.cpu_gemm!r}")
+        if self.cpu_attention not in CPU_ATTENTION:
+            raise ValueError(f"compute.cpu_attention: expected one of {', '.join(map(repr, CPU_ATTENTION))}, "
+                             f"got {self.cpu_attention!r}")
         _check_inductor_options("compute.inductor_options", self.inductor_options)
         if self.fp16 and self.bf16:
             raise ValueError("compute.fp16 and compute.bf16 are exclusive: set at most one")

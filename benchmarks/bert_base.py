@@ -185,6 +185,7 @@ class Workload:
     max_length: int      # fixed: every sample's length; guide: the longest a sample may be
     samples: list[dict]
     peer_dynamic: bool | None = None  # the peer's torch.compile(dynamic=...); None: Dynamo's automatic shapes
+    tokens_per_sample: int | None = None  # batches of images (benchmarks/vit_base.py): the tokens an image is
 
     @property
     def name(self) -> str:
@@ -601,9 +602,14 @@ def setup(mode: str, ctx: Context) -> Run:
 # ------------------------------------------------------------------------------------------ measuring
 
 
-def batch_counts(batch: dict, packed: bool) -> torch.Tensor:
-    """[samples, real tokens, sum of sample length^2] of a device batch, as one device tensor (no host sync)."""
-    if packed:
+def batch_counts(batch: dict, packed: bool, tokens_per_sample: int | None = None) -> torch.Tensor:
+    """[samples, real tokens, sum of sample length^2] of a device batch, as one device tensor (no host sync);
+    `tokens_per_sample`: a batch of images (pixel_values), each that many tokens."""
+    if "pixel_values" in batch:
+        images = batch["pixel_values"]
+        lengths = torch.full(images.shape[:1], tokens_per_sample, dtype=torch.long, device=images.device)
+        samples = torch.full((), images.shape[0], dtype=torch.long, device=images.device)
+    elif packed:
         segments = batch["segment_ids"]
         per_segment = torch.zeros(segments.shape[0], segments.shape[1] + 1, dtype=torch.long, device=segments.device)
         per_segment.scatter_add_(1, segments.long(), torch.ones_like(segments, dtype=torch.long))
@@ -660,8 +666,9 @@ class StepClock:
         return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
 
 
-def measure(run: Run, warmup: int, steps: int, desc: str) -> dict:
-    """Drive `run` for warmup + steps steps; times, losses and counts (read from the device once, at the end)."""
+def measure(run: Run, warmup: int, steps: int, desc: str, tokens_per_sample: int | None = None) -> dict:
+    """Drive `run` for warmup + steps steps; times, losses and counts (read from the device once, at the end);
+    `tokens_per_sample`: batch_counts'."""
     from tqdm import tqdm
 
     compiles_start = compile_count(run.device)
@@ -677,7 +684,7 @@ def measure(run: Run, warmup: int, steps: int, desc: str) -> dict:
         losses.append(loss.detach().clone())  # clone: a CUDA graph replay reuses its output buffer
         # counted in the warm-up too: on XLA the counting ops are part of the step's graph, and a graph
         # that first grew them in the timed steps would compile again there
-        counts = batch_counts(batch, run.packed)
+        counts = batch_counts(batch, run.packed, tokens_per_sample)
         if i >= warmup:
             timed_counts.append(counts)
         clock.step_ended()
@@ -774,7 +781,7 @@ def run_mode(mode: str, ctx: Context, args) -> dict:
         # Seeded after the set-up, which may draw numbers (accel-kernels builds a model): every mode that
         # draws dropout masks with torch's dropout in eager code then gets the same masks.
         torch.manual_seed(args.seed)
-        raw = measure(run, args.warmup, args.steps, f"{ctx.workload.name} {mode}")
+        raw = measure(run, args.warmup, args.steps, f"{ctx.workload.name} {mode}", ctx.workload.tokens_per_sample)
     except Skip as reason:
         print(f"  {mode}: skipped: {reason}", flush=True)
         return {**row, "status": "skipped", "reason": str(reason)}

@@ -10,7 +10,8 @@ def test_defaults_use_torchacc_names_and_ours():
     assert c.backend == "auto"
     assert (c.compute.fp16, c.compute.bf16) == (False, False)
     assert (c.compute.compile, c.compute.cuda_graphs, c.compute.kernels) == (True, True, True)
-    assert (c.compute.recompile_guard, c.compute.first_token_only, c.compute.cpu_gemm) == (False, True, "auto")
+    assert (c.compute.recompile_guard, c.compute.first_token_only, c.compute.cpu_gemm, c.compute.cpu_attention) == (
+        False, True, "auto", "auto")
     assert (c.memory.gc, c.memory.gc_cls, c.memory.gc_cnt, c.memory.keep_freed_memory) == (False, None, None, True)
     assert (c.dataloader.buckets, c.dataloader.max_length, c.dataloader.num_buckets) == (None, None, None)
     assert c.dataloader.pad_value_dict == {"input_ids": 0, "attention_mask": 0, "labels": -100}
@@ -55,6 +56,7 @@ def test_no_state_is_shared_between_configs():
     (lambda: ComputeConfig(inductor_options={"triton.cudagraphs": True}), "compute.cuda_graphs"),
     (lambda: ComputeConfig(inductor_options={"max_autotune": [True]}), "'max_autotune' expects a bool"),
     (lambda: ComputeConfig(cpu_gemm="mkl"), "compute.cpu_gemm: expected one of 'auto', 'onednn', 'torch'"),
+    (lambda: ComputeConfig(cpu_attention="flash"), "compute.cpu_attention: expected one of 'auto', 'plain', 'sdpa'"),
     (lambda: DataLoaderConfig(drop_full_masks=True, buckets=[64]), "dataloader.drop_full_masks is for loaders"),
     (lambda: DataLoaderConfig(drop_full_masks=True, max_length=64, pack=True), "dataloader.drop_full_masks"),
 ])

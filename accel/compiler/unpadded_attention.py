@@ -22,15 +22,25 @@ swaps in accel's PhiloxDropout where its kernel wins, accel.runtime.policy): SDP
 probabilities itself and ignore that layer, so while training with dropout the attention is computed in plain
 ops, as transformers' eager attention does, with the layer applied to the probabilities. On the CPU that is also
 what SDPA computes whenever it drops (its fused CPU kernels take no dropout): only the mask's source changes.
+
+On the CPU, an encoder's unmasked training attention in bf16/fp16 may also be computed in those plain ops
+(accelerate()'s compute.cpu_attention, `unpadded_attention(model, plain_training=True)`): torch's 16-bit CPU
+flash kernel is slow backwards on a CPU without AMX. A 2-core AMD EPYC with AVX512-BF16 (Zen 5), torch 2.9,
+2026-11-27, [B, 12, L, 64] bf16 forward + backward: plain ops compiled 2.8-5.7x SDPA's speed at L = 128-197,
+1.5x at 577, 1.1x at 1024 (forward alone 0.9-1.0x, so calls without gradients keep SDPA; fp32 0.92-0.99x).
+`plain_attention_speedup` measures it on the machine at hand. Masked, causal or grouped-query attention keeps
+SDPA (its kernels skip what a mask or causality removes; plain ops with a padding mask measured 0.85-1.9x).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
 from torch import nn
 from torch.nn.modules.dropout import Dropout as _TorchDropout
 
+from accel.utils.timing import best_time
 from accel.utils.transformers_models import is_transformers_model
 
 SDPA = "sdpa"
@@ -39,6 +49,14 @@ ACCEL_SDPA = "accel_sdpa"
 # whether its document mask is causal (a decoder's).
 SEGMENT_IDS = "accel_segment_ids"
 SEGMENTS_CAUSAL = "accel_segments_causal"
+# Set on a model's modules that hold its config (its attention modules among them) by unpadded_attention: whether
+# their unmasked 16-bit training attention on the CPU takes plain ops (see the module docstring).
+PLAIN_TRAINING = "_accel_plain_training"
+# Longer sequences keep SDPA: plain ops keep [B, H, L, L] probabilities for the backward.
+MAX_PLAIN_LENGTH = 1024
+# plain_attention_speedup must find plain ops this much faster for compute.cpu_attention="auto" to take them.
+MIN_PLAIN_SPEEDUP = 1.25
+_PROBE_SHAPE = (4, 12, 256, 64)  # B, H, L, D: a BERT-base / ViT-base layer's attention, a few samples
 
 
 def _mask_builder(sdpa_mask):
@@ -77,6 +95,47 @@ def _plain_attention(query, key, value, attention_mask, scaling, dropout_layer: 
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
+def _reference_attention(query, key, value, scaling=None) -> torch.Tensor:
+    """Unmasked softmax(q k^T scaling) v in plain ops (as _plain_attention without mask or dropout), [B, H, L, D]
+    in and out."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(query.dtype), value)
+
+
+@functools.cache
+def plain_attention_speedup(dtype: torch.dtype = torch.bfloat16) -> float:
+    """How many times faster plain ops train an unmasked bidirectional attention (forward + backward, [4, 12, 256,
+    64] in dtype, eager) than F.scaled_dot_product_attention on this CPU. Measured once per process and dtype
+    (~0.5 s). Eager plain ops are the slower kind (compiled, Inductor fuses the scaling, the softmax and its
+    casts), so where they win the compiled ones win by more: the 2-core Zen 5 above, bf16, with
+    memory.keep_freed_memory (accelerate()'s default on the CPU) 2.4-2.8 here in four processes (1.1-1.8
+    without it: page faults on the fresh [B, H, L, L] tensors) against 3.6x compiled."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.enable_grad():
+        gen = torch.Generator().manual_seed(0)
+        q, k, v, grad = (torch.randn(_PROBE_SHAPE, generator=gen).to(dtype) for _ in range(4))
+        for t in (q, k, v):
+            t.requires_grad_()
+
+        def train(attention):
+            return lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), grad)
+
+        sdpa = best_time(train(torch.nn.functional.scaled_dot_product_attention), repeats=5)
+        return sdpa / best_time(train(_reference_attention), repeats=5)
+
+
+def _plain_training(module: nn.Module, query, key, attention_mask, dropout: float, kwargs: dict) -> bool:
+    """Whether this call is an unmasked bidirectional 16-bit training attention on the CPU that the module was
+    told to compute in plain ops (PLAIN_TRAINING)."""
+    return (getattr(module, PLAIN_TRAINING, False) and attention_mask is None and dropout == 0
+            and query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
+            and query.requires_grad and query.shape[2] == key.shape[2] <= MAX_PLAIN_LENGTH
+            and key.shape[1] == query.shape[1] and not getattr(module, "is_causal", False)
+            and all(not kwargs.get(name) for name in ("is_causal", "sliding_window", "softcap", "position_bias",
+                                                       "cache", "s_aux", "head_mask")))
+
+
 def _per_sample(module: nn.Module, query, key, segments, dropout: float, kwargs: dict) -> bool:
     """Whether a call given packed rows' segment ids computes, with varlen_attention, what its document mask gives:
     self-attention over the whole row on the CPU, without dropout, a sliding window, soft-capping or a bias."""
@@ -99,6 +158,8 @@ def _attention(sdpa_forward):
             # causal as the document mask it replaces is (not as the module says: some do not say)
             out = varlen_attention(query, key, value, segments, is_causal=causal, scale=scaling)
             return out.transpose(1, 2).contiguous(), None
+        if _plain_training(module, query, key, attention_mask, dropout, kwargs):
+            return _reference_attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
         layer = _own_dropout(module, dropout) if dropout > 0 and module.training else None
         if (layer is None or key.shape[1] != query.shape[1] or getattr(module, "is_causal", False)
                 or any(kwargs.get(name) is not None for name in ("is_causal", "position_bias", "cache", "softcap"))):
@@ -122,12 +183,14 @@ def _register() -> bool:
     return True
 
 
-def unpadded_attention(model: nn.Module) -> bool:
+def unpadded_attention(model: nn.Module, plain_training: bool = False) -> bool:
     """Switch a transformers encoder with "sdpa" attention to ACCEL_SDPA (see the module docstring).
 
     Args:
         model: any module; only a transformers model whose config says "sdpa" attention and that is neither
             a decoder nor an encoder-decoder changes.
+        plain_training: its unmasked bidirectional bf16/fp16 training attention on the CPU is computed in plain
+            ops rather than by SDPA (where plain_attention_speedup found them faster; accelerate() decides).
 
     Returns:
         Whether the model now uses ACCEL_SDPA (also True when it already did).
@@ -136,10 +199,12 @@ def unpadded_attention(model: nn.Module) -> bool:
         return False
     config = model.config
     implementation = getattr(config, "_attn_implementation", None)
-    if implementation == ACCEL_SDPA:
-        return True
-    if (implementation != SDPA or getattr(config, "is_decoder", False)
+    if implementation != ACCEL_SDPA and (
+            implementation != SDPA or getattr(config, "is_decoder", False)
             or getattr(config, "is_encoder_decoder", False) or not _register()):
         return False
     config._attn_implementation = ACCEL_SDPA
+    for module in model.modules():  # the modules an attention function is given hold the config they read
+        if getattr(module, "config", None) is config:
+            setattr(module, PLAIN_TRAINING, plain_training)
     return True

@@ -133,16 +133,17 @@ def test_batch_counts_padded_and_packed(device):
     padded = {"attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], device=device)}
     packed = {"segment_ids": torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1]], device=device)}
     unmasked = {"input_ids": torch.ones(2, 5, dtype=torch.long, device=device)}  # accelerate() dropped a mask of ones
+    images = {"pixel_values": torch.zeros(3, 3, 8, 8, device=device)}  # vit_base.py's: 17 tokens an image
     # counted every step while CUDA steps are timed without a host sync: counting must not sync either
     if device == "cuda":
         torch.cuda.set_sync_debug_mode("error")
     try:
         counts = [bert_base.batch_counts(padded, packed=False), bert_base.batch_counts(packed, packed=True),
-                  bert_base.batch_counts(unmasked, packed=False)]
+                  bert_base.batch_counts(unmasked, packed=False), bert_base.batch_counts(images, False, 17)]
     finally:
         if device == "cuda":
             torch.cuda.set_sync_debug_mode("default")
-    assert [c.tolist() for c in counts] == [[2, 5, 9 + 4], [3, 11, 4 + 9 + 36], [2, 10, 25 + 25]]
+    assert [c.tolist() for c in counts] == [[2, 5, 9 + 4], [3, 11, 4 + 9 + 36], [2, 10, 25 + 25], [3, 51, 3 * 289]]
 
 
 def _row(mode, first, final, same_data=True):

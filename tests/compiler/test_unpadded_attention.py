@@ -189,3 +189,138 @@ def test_compiled_model_with_own_dropout_has_no_graph_breaks():
     out = compiled(**_batch(padded=True))
     out.loss.backward()
     assert torch.isfinite(out.loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+# ------------------------------------------------ 16-bit unmasked training attention in plain ops on the CPU
+
+def _sdpa_calls(monkeypatch):
+    """The calls of F.scaled_dot_product_attention (transformers' SDPA attention looks it up at each call)."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: (calls.append(args[0].shape), sdpa(*args, **kwargs))[1])
+    return calls
+
+
+def _bf16_pair(plain_training: bool):
+    """(a bf16 BERT classifier switched to accel_sdpa with plain_training, the same weights in fp32 with sdpa)."""
+    model, reference = _pair()
+    assert unpadded_attention(model, plain_training=plain_training)
+    return model.to(torch.bfloat16), reference
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_plain_training_attention_matches_sdpa_and_leaves_out_sdpa(monkeypatch, compiled):
+    """bf16 training without a mask: the plain ops instead of SDPA, the fp32 SDPA model's logits and gradients to
+    bf16's precision; without gradients (evaluation) SDPA again."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model, reference = _bf16_pair(plain_training=True)
+    batch = _batch(padded=False)
+    want = reference(**batch)
+    want.loss.backward()
+    calls = _sdpa_calls(monkeypatch)
+    unmasked = {k: v for k, v in batch.items() if k != "attention_mask"}
+    run = torch.compile(model, dynamic=False) if compiled else model
+    got = run(**unmasked)
+    got.loss.backward()
+    assert calls == []
+    torch.testing.assert_close(got.logits.float(), want.logits, rtol=3e-2, atol=3e-2)
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        # the attention's own parameters, what its backward feeds; not the key's bias, whose gradient is 0 (a shift
+        # of every key's score leaves the softmax as it is): rounding alone in bf16
+        if "attention.self" in name and not name.endswith("key.bias"):
+            torch.testing.assert_close(a.grad.float(), b.grad, rtol=6e-2, atol=6e-2 * b.grad.abs().max().item(),
+                                       msg=name)
+    with torch.no_grad():
+        run(**unmasked)
+    assert len(calls) == model.config.num_hidden_layers
+
+
+def test_plain_training_attention_only_where_it_is_unmasked_bidirectional_16_bit(monkeypatch):
+    """A padding mask, fp32, or plain_training off: SDPA in every layer (the mask and causal ones are the cases
+    its kernels skip work in)."""
+    for plain_training, dtype, padded in ((True, torch.bfloat16, True), (True, torch.float32, False),
+                                          (False, torch.bfloat16, False)):
+        model, _ = _bf16_pair(plain_training)
+        calls = _sdpa_calls(monkeypatch)
+        batch = _batch(padded=padded)
+        if not padded:
+            del batch["attention_mask"]
+        model.to(dtype)(**batch).loss.backward()
+        assert len(calls) == model.config.num_hidden_layers, (plain_training, dtype, padded)
+        monkeypatch.undo()
+
+
+def test_plain_training_attention_asks_each_call():
+    from torch import nn
+
+    from accel.compiler.unpadded_attention import PLAIN_TRAINING, _plain_training
+
+    module = nn.Module()
+    setattr(module, PLAIN_TRAINING, True)
+    q = torch.randn(2, 4, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+    assert _plain_training(module, q, q, None, 0.0, {})
+    assert not _plain_training(module, q, q, torch.ones(2, 1, 8, 8, dtype=torch.bool), 0.0, {})  # masked
+    assert not _plain_training(module, q, q, None, 0.1, {})  # dropout: SDPA's own path (or the module's layer)
+    assert not _plain_training(module, q, q[:, :2], None, 0.0, {})  # grouped-query heads
+    assert not _plain_training(module, q, q, None, 0.0, {"is_causal": True})
+    assert not _plain_training(module, q.detach(), q, None, 0.0, {})  # no gradient: forward alone ties
+    assert not _plain_training(module, q.float(), q, None, 0.0, {})
+    long = torch.randn(1, 1, 1025, 8, dtype=torch.bfloat16, requires_grad=True)
+    assert not _plain_training(module, long, long, None, 0.0, {})  # [B, H, L, L] kept for the backward
+    module.is_causal = True
+    assert not _plain_training(module, q, q, None, 0.0, {})
+    assert not _plain_training(nn.Module(), q, q, None, 0.0, {})  # not told to
+
+
+def test_vit_trains_its_attention_in_plain_ops_as_with_sdpa(monkeypatch):
+    """ViT (no attention dropout: a model this is for; its attention modules are named otherwise by each
+    transformers version): no SDPA call while training in bf16, the fp32 SDPA model's logits; told again, off."""
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, intermediate_size=37, num_labels=3,
+                                    attn_implementation="sdpa")
+    model = transformers.ViTForImageClassification(config).train()
+    reference = transformers.ViTForImageClassification(config).train()
+    reference.load_state_dict(model.state_dict())
+    assert unpadded_attention(model, plain_training=True)
+    calls = _sdpa_calls(monkeypatch)
+    images, labels = torch.randn(2, 3, 16, 16), torch.tensor([0, 2])
+    got = model.to(torch.bfloat16)(pixel_values=images.bfloat16(), labels=labels)
+    assert calls == []
+    want = reference(pixel_values=images, labels=labels)
+    assert calls == [torch.Size([2, 4, 17, 8])] * 2  # the reference's, which is not told
+    torch.testing.assert_close(got.logits.float(), want.logits, rtol=3e-2, atol=3e-2)
+    assert unpadded_attention(model, plain_training=False)
+    model(pixel_values=images.bfloat16(), labels=labels)
+    assert len(calls) == 4
+
+
+def test_probe_measures_a_speedup_once():
+    from accel.compiler.unpadded_attention import plain_attention_speedup
+
+    speedup = plain_attention_speedup(torch.bfloat16)
+    assert 0 < speedup < float("inf")
+    assert plain_attention_speedup(torch.bfloat16) == speedup  # cached: once per process
+
+
+@pytest.mark.parametrize("choice, speedup, bf16, expected", [
+    ("plain", 0.5, True, True), ("auto", 2.0, True, True), ("auto", 1.1, True, False), ("sdpa", 9.0, True, False),
+    ("plain", 9.0, False, False),
+], ids=["plain", "auto_where_it_wins", "auto_where_it_loses", "sdpa", "fp32"])
+def test_accelerate_follows_cpu_attention_and_the_probe(monkeypatch, choice, speedup, bf16, expected):
+    import accel
+    import accel.compiler.unpadded_attention as ua
+    import accel.utils.cpu as cpu
+    from accel.compiler.unpadded_attention import PLAIN_TRAINING
+
+    monkeypatch.setattr(ua, "plain_attention_speedup", lambda dtype: speedup)
+    monkeypatch.setattr(cpu, "native_bf16", lambda: True)  # bf16 autocast, whatever this CPU has
+    config = accel.Config(backend="cpu")
+    config.compute.bf16, config.compute.cpu_attention, config.compute.compile = bf16, choice, False
+    model, _ = _pair()
+    model = accel.accelerate(model, None, config)
+    attention = [m for m in model.modules() if type(m).__name__ == "BertSelfAttention"]
+    assert attention and all(getattr(m, PLAIN_TRAINING) == expected for m in attention)

@@ -160,9 +160,9 @@ def test_second_derivatives_match_nn_linear(onednn_calls):
 
 @pytest.fixture
 def timings(monkeypatch):
-    """_best_time answering from a list (oneDNN's time, then torch's, per product timed), counting its calls."""
+    """best_time answering from a list (oneDNN's time, then torch's, per product timed), counting its calls."""
     answers = []
-    monkeypatch.setattr(module, "_best_time", lambda call: answers.pop(0))
+    monkeypatch.setattr(module, "best_time", lambda call: answers.pop(0))
     monkeypatch.setattr(module, "_faster", {})
     return answers
 

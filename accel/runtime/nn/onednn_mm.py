@@ -20,11 +20,12 @@ rounding. oneDNN costs ~10 us more a call, so it loses on small products (8x2x76
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.modules.linear import Linear as _TorchLinear
+
+from accel.utils.timing import best_time
 
 # Products with fewer multiply-adds stay with torch (oneDNN's per-call cost: 64^3 0.4x, 128^3 1.0x, 256^3 1.5x).
 MIN_MACS = 1 << 22
@@ -114,16 +115,6 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _best_time(call, repeats: int = 3) -> float:
-    call()  # first call: oneDNN creates its primitive, MKL its buffers
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def _like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """A real CPU tensor with t's sizes and strides (t may be a FakeTensor of a graph being compiled)."""
     size, stride = tuple(int(d) for d in t.shape), tuple(int(d) for d in t.stride())
@@ -138,8 +129,8 @@ def _times(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -
         gen = torch.Generator().manual_seed(0)
         ra, rb = _like(a, gen), _like(b, gen)
         rbias = _like(bias, gen) if bias is not None else None
-        return (_best_time(lambda: _onednn_linear(ra, rb, rbias)),
-                _best_time(lambda: onednn_mm_reference(ra, rb, rbias)))
+        return (best_time(lambda: _onednn_linear(ra, rb, rbias)),
+                best_time(lambda: onednn_mm_reference(ra, rb, rbias)))
 
 
 @functools.cache
