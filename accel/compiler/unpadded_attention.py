@@ -49,8 +49,8 @@ ACCEL_SDPA = "accel_sdpa"
 # whether its document mask is causal (a decoder's).
 SEGMENT_IDS = "accel_segment_ids"
 SEGMENTS_CAUSAL = "accel_segments_causal"
-# Set on a model's modules that hold its config (its attention modules among them) by unpadded_attention: whether
-# their unmasked 16-bit training attention on the CPU takes plain ops (see the module docstring).
+# Set by unpadded_attention on a model's modules that hold its config or a sub-config (its attention modules among
+# them): whether their unmasked 16-bit training attention on the CPU takes plain ops (see the module docstring).
 PLAIN_TRAINING = "_accel_plain_training"
 # Longer sequences keep SDPA: plain ops keep [B, H, L, L] probabilities for the backward.
 MAX_PLAIN_LENGTH = 1024
@@ -203,8 +203,8 @@ def unpadded_attention(model: nn.Module, plain_training: bool = False) -> bool:
             implementation != SDPA or getattr(config, "is_decoder", False)
             or getattr(config, "is_encoder_decoder", False) or not _register()):
         return False
-    config._attn_implementation = ACCEL_SDPA
+    config._attn_implementation = ACCEL_SDPA  # transformers sets a composite model's sub-configs too (CLIP's)
     for module in model.modules():  # the modules an attention function is given hold the config they read
-        if getattr(module, "config", None) is config:
+        if getattr(getattr(module, "config", None), "_attn_implementation", None) == ACCEL_SDPA:
             setattr(module, PLAIN_TRAINING, plain_training)
     return True

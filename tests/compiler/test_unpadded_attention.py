@@ -298,6 +298,22 @@ def test_vit_trains_its_attention_in_plain_ops_as_with_sdpa(monkeypatch):
     assert len(calls) == 4
 
 
+def test_a_composite_models_towers_are_told_too(monkeypatch):
+    """CLIP: transformers switches the sub-configs with the model's; the vision tower's unmasked attention takes
+    plain ops, the text tower's causal, masked one keeps SDPA."""
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37)
+    config = transformers.CLIPConfig(text_config=dict(vocab_size=50, **small),
+                                     vision_config=dict(image_size=16, patch_size=4, **small))
+    config._attn_implementation = "sdpa"
+    model = transformers.CLIPModel(config).train()
+    assert unpadded_attention(model, plain_training=True)
+    calls = _sdpa_calls(monkeypatch)
+    out = model.to(torch.bfloat16)(pixel_values=torch.randn(2, 3, 16, 16).bfloat16(),
+                                   input_ids=torch.randint(1, 50, (2, 7)), return_loss=True)
+    out.loss.backward()
+    assert calls == [torch.Size([2, 4, 7, 8])] * 2  # the text tower's two layers
+
+
 def test_probe_measures_a_speedup_once():
     from accel.compiler.unpadded_attention import plain_attention_speedup
 
