@@ -30,6 +30,8 @@ flash kernel is slow backwards on a CPU without AMX. A 2-core AMD EPYC with AVX5
 1.5x at 577, 1.1x at 1024 (forward alone 0.9-1.0x, so calls without gradients keep SDPA; fp32 0.92-0.99x).
 `plain_attention_speedup` measures it on the machine at hand. Masked, causal or grouped-query attention keeps
 SDPA (its kernels skip what a mask or causality removes; plain ops with a padding mask measured 0.85-1.9x).
+Packed rows' per-sample attention takes plain products per sample too (varlen_attention's `plain`), causal or not:
+there a sample's products are what the flash kernel computes anyway.
 """
 from __future__ import annotations
 
@@ -156,7 +158,8 @@ def _attention(sdpa_forward):
             from accel.runtime.nn.varlen_attention import varlen_attention
 
             # causal as the document mask it replaces is (not as the module says: some do not say)
-            out = varlen_attention(query, key, value, segments, is_causal=causal, scale=scaling)
+            out = varlen_attention(query, key, value, segments, is_causal=causal, scale=scaling,
+                                   plain=getattr(module, PLAIN_TRAINING, False))
             return out.transpose(1, 2).contiguous(), None
         if _plain_training(module, query, key, attention_mask, dropout, kwargs):
             return _reference_attention(query, key, value, scaling).transpose(1, 2).contiguous(), None

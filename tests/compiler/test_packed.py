@@ -597,8 +597,9 @@ def test_sliding_window_document_mask_by_hand_and_the_configs_that_slide():
     assert sliding_window(transformers.LlamaConfig()) == (None, False)
 
 
-def _varlen_model(family):
-    """A model with "accel_sdpa" attention and no attention dropout: a causal Llama or GPT-2, a BERT masked LM."""
+def _varlen_model(family, plain=False):
+    """A model with "accel_sdpa" attention and no attention dropout: a causal Llama or GPT-2, a BERT masked LM;
+    `plain`: told to compute its CPU training attention in plain products (compute.cpu_attention)."""
     torch.manual_seed(0)
     if family == "bert":
         model = transformers.BertForMaskedLM(transformers.BertConfig(
@@ -606,19 +607,20 @@ def _varlen_model(family):
             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa"))
     else:
         model = _decoder(family, "sdpa")
-    assert unpadded_attention(model)
+    assert unpadded_attention(model, plain_training=plain)
     return model.train()
 
 
+@pytest.mark.parametrize("plain", [False, True], ids=["flash", "plain"])
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
-def test_accel_sdpa_computes_each_packed_sample_alone_on_the_cpu(monkeypatch, family):
+def test_accel_sdpa_computes_each_packed_sample_alone_on_the_cpu(monkeypatch, family, plain):
     """Packed rows with "accel_sdpa" attention on the CPU: each sample's attention is the flash kernel over that
-    sample alone (accel.runtime.nn.varlen_attention: the work of the samples, not of the masked row; causal for
-    the decoders, bidirectional for BERT), with the same logits, loss and gradients as the row's document mask
-    gives (the attention told nothing of segments)."""
+    sample alone, or plain products where the model was told (accel.runtime.nn.varlen_attention: the work of the
+    samples, not of the masked row; causal for the decoders, bidirectional for BERT), with the same logits, loss
+    and gradients as the row's document mask gives (the attention told nothing of segments)."""
     import accel.runtime.nn.varlen_attention as va
 
-    packed = PackedModel(_varlen_model(family))
+    packed = PackedModel(_varlen_model(family, plain))
     masked = PackedModel(copy.deepcopy(packed.model))
     masked._passes_kwargs = False  # the document mask alone
     runs = []
@@ -629,11 +631,14 @@ def test_accel_sdpa_computes_each_packed_sample_alone_on_the_cpu(monkeypatch, fa
         return flash(q, k, v, dropout, causal, **kwargs)
 
     monkeypatch.setattr(va, "_flash", counted)
+    plain_forward = va._plain_forward
+    monkeypatch.setattr(va, "_plain_forward", lambda q, *args: (runs.append((q.shape[2], "plain")),
+                                                                 plain_forward(q, *args))[1])
     segment_ids = torch.tensor([[1] * 7 + [2] * 3 + [3] * 11 + [0] * 3])
     position_ids = torch.tensor([list(range(7)) + list(range(3)) + list(range(11)) + list(range(3))])
     ids = torch.randint(1, VOCAB, (1, 24), generator=torch.Generator().manual_seed(0))
     out = packed(input_ids=ids, position_ids=position_ids, segment_ids=segment_ids, labels=ids)
-    causal = family != "bert"
+    causal = "plain" if plain else family != "bert"  # plain: each sample in plain products, no flash call
     assert runs == [(7, causal), (3, causal), (11, causal), (3, causal)] * packed.config.num_hidden_layers
     runs.clear()
     want = masked(input_ids=ids, position_ids=position_ids, segment_ids=segment_ids, labels=ids)

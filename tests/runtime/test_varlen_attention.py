@@ -1,6 +1,7 @@
 """varlen_attention against F.scaled_dot_product_attention with the block-diagonal document mask (causal or not):
-outputs and the gradients of query, key and value, grouped-query heads, autocast's mixed dtypes, torch.compile;
-and that each segment is computed alone (the flash kernel called once per run of equal ids, no mask)."""
+outputs and the gradients of query, key and value, grouped-query heads, autocast's mixed dtypes, torch.compile,
+through torch's flash kernel and in plain products (plain=True); and that each segment is computed alone (the flash
+kernel called once per run of equal ids, no mask)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,8 +32,11 @@ def _reference(q, k, v, causal, scale=None):
 
 
 def _compare(fn, q, k, v, g, causal, tol=None, **kwargs):
+    """fn against the reference, computed in fp64 from the same inputs where they are 16-bit (two 16-bit
+    computations round differently: each is compared with the exact result)."""
     out = fn(q, k, v, SEGMENTS, causal, **kwargs)
-    want = _reference(q, k, v, causal, kwargs.get("scale"))
+    exact = q.dtype in (torch.bfloat16, torch.float16)
+    want = _reference(*(t.double() if exact else t for t in (q, k, v)), causal, kwargs.get("scale")).to(q.dtype)
     rtol, atol = tol or (None, None)
     torch.testing.assert_close(out, want, rtol=rtol, atol=atol)
     for got, exp in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
@@ -43,17 +47,24 @@ def test_segment_runs():
     assert segment_runs(SEGMENTS) == [[(0, 10), (10, 27), (27, 36), (36, 40)], [(0, 25), (25, 40)]]
 
 
+PLAIN = pytest.mark.parametrize("plain", [False, True], ids=["flash", "plain"])
+
+
+@PLAIN
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_matches_sdpa_with_the_document_mask_float64(causal, kv_heads):
+def test_matches_sdpa_with_the_document_mask_float64(causal, kv_heads, plain):
     q, k, v, g = _inputs(torch.float64, kv_heads=kv_heads)
-    _compare(varlen_attention, q, k, v, g, causal, tol=(1e-10, 1e-12), scale=0.3)
+    _compare(varlen_attention, q, k, v, g, causal, tol=(1e-10, 1e-12), scale=0.3, plain=plain)
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, (1e-5, 1e-5)), (torch.bfloat16, (2e-2, 2e-2))])
-def test_float32_and_bf16(dtype, tol):
+@PLAIN
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, (1e-5, 1e-5)), (torch.bfloat16, (2e-2, 2e-2)),
+                                        (torch.float16, (3e-3, 3e-3))])
+def test_float32_and_16_bit(dtype, tol, causal, plain):
     q, k, v, g = _inputs(dtype)
-    _compare(varlen_attention, q, k, v, g, True, tol=tol)
+    _compare(varlen_attention, q, k, v, g, causal, tol=tol, plain=plain)
 
 
 def test_autocast_takes_mixed_dtypes_as_sdpa_does():
@@ -75,9 +86,17 @@ def test_each_segment_is_computed_alone(monkeypatch):
     assert calls == [10, 17, 9, 4, 25, 15]
 
 
-def test_torch_compile_matches_eager():
+@PLAIN
+def test_torch_compile_matches_eager(plain):
     q, k, v, g = _inputs(torch.float32)
-    _compare(torch.compile(varlen_attention, fullgraph=True), q, k, v, g, True, tol=(1e-5, 1e-5))
+    _compare(torch.compile(varlen_attention, fullgraph=True), q, k, v, g, True, tol=(1e-5, 1e-5), plain=plain)
+
+
+def test_plain_calls_no_flash_kernel(monkeypatch):
+    monkeypatch.setattr(va, "_flash", None)
+    monkeypatch.setattr(va, "_flash_backward", None)
+    q, k, v, g = _inputs(torch.bfloat16)
+    torch.autograd.grad(varlen_attention(q, k, v, SEGMENTS, True, plain=True), (q, k, v), g)
 
 
 def test_second_derivative_is_refused():
