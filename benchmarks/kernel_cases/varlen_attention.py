@@ -12,12 +12,16 @@ implementation compiled (Inductor fuses the mask and the softmax between two bat
 BERT guide rows the compiled plain attention is ahead (0.7-0.85x): rows of 512 often hold one or two long
 samples, so little work is skipped, and torch's bf16 flash kernel costs ~0.35 ms a call whatever the sample's
 size. In the model the alternative is SDPA with the mask (ACCEL_SDPA), which ours beats there.
+Ours computes each sample the way accelerate()'s compute.cpu_attention="auto" picks on this machine (plain
+products where the probe finds them faster than SDPA's flash kernel, else the flash kernel); the other way is a
+row of its own among the peers, the A/B of that choice.
 CPU only: on CUDA packed rows keep the mask or FlexAttention's block mask."""
 import math
 
 import torch
 import torch.nn.functional as F
 
+from accel.compiler.unpadded_attention import MIN_PLAIN_SPEEDUP, plain_attention_speedup
 from accel.runtime.nn.varlen_attention import varlen_attention
 
 from . import Case
@@ -62,25 +66,30 @@ def _case(name: str, rows: int, heads: int, length: int, dim: int, draw, causal:
     def masked(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    def plain(q, k, v):  # transformers' eager attention
+    def eager_attention(q, k, v):  # transformers' eager attention
         scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
         probs = scores.masked_fill(~mask, torch.finfo(scores.dtype).min).softmax(-1, dtype=torch.float32)
         return torch.matmul(probs.to(q.dtype), v)
 
-    def ours(q, k, v):
-        return varlen_attention(q, k, v, segments, is_causal=causal)
+    plain = plain_attention_speedup(torch.bfloat16) >= MIN_PLAIN_SPEEDUP
+
+    def ours(q, k, v, plain=plain):
+        return varlen_attention(q, k, v, segments, is_causal=causal, plain=plain)
 
     def step(fn):
         return torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
 
-    compiled, compiled_plain = torch.compile(masked, dynamic=False), torch.compile(plain, dynamic=False)
+    compiled, compiled_plain = torch.compile(masked, dynamic=False), torch.compile(eager_attention, dynamic=False)
     nbytes = 2 * rows * heads * length * dim * 8  # q, k, v, out read/written, their gradients
     samples = int(segments.max(1).values.sum())
     label = f"{rows}x{heads}x{length}x{dim}, {samples} samples"
-    return Case(f"varlen_attention bf16 {name} fwd+bwd", label, nbytes, lambda: step(ours),
+    way = "plain" if plain else "flash"
+    return Case(f"varlen_attention bf16 {name} fwd+bwd ({way})", label, nbytes, lambda: step(ours),
                 {"SDPA + document mask": lambda: step(masked),
                  "compiled SDPA + document mask": lambda: step(compiled),
-                 "compiled plain attention + document mask": lambda: step(compiled_plain)},
+                 "compiled plain attention + document mask": lambda: step(compiled_plain),
+                 f"varlen_attention, {'flash kernel' if plain else 'plain products'}":
+                     lambda: step(lambda q, k, v: ours(q, k, v, plain=not plain))},
                 memory_bound=False)
 
 

@@ -631,19 +631,26 @@ def test_accel_sdpa_computes_each_packed_sample_alone_on_the_cpu(monkeypatch, fa
         return flash(q, k, v, dropout, causal, **kwargs)
 
     monkeypatch.setattr(va, "_flash", counted)
-    plain_forward = va._plain_forward
-    monkeypatch.setattr(va, "_plain_forward", lambda q, *args: (runs.append((q.shape[2], "plain")),
-                                                                 plain_forward(q, *args))[1])
+    backwards = []
+    plain_backward, flash_backward = va._plain_backward, va._flash_backward
+    monkeypatch.setattr(va, "_plain_backward", lambda g, *args: (backwards.append((g.shape[2], "plain")),
+                                                                  plain_backward(g, *args))[1])
+    monkeypatch.setattr(va, "_flash_backward", lambda g, *args, **kwargs: (backwards.append((g.shape[2], "flash")),
+                                                                            flash_backward(g, *args, **kwargs))[1])
     segment_ids = torch.tensor([[1] * 7 + [2] * 3 + [3] * 11 + [0] * 3])
     position_ids = torch.tensor([list(range(7)) + list(range(3)) + list(range(11)) + list(range(3))])
     ids = torch.randint(1, VOCAB, (1, 24), generator=torch.Generator().manual_seed(0))
     out = packed(input_ids=ids, position_ids=position_ids, segment_ids=segment_ids, labels=ids)
-    causal = "plain" if plain else family != "bert"  # plain: each sample in plain products, no flash call
+    causal = family != "bert"
     assert runs == [(7, causal), (3, causal), (11, causal), (3, causal)] * packed.config.num_hidden_layers
     runs.clear()
     want = masked(input_ids=ids, position_ids=position_ids, segment_ids=segment_ids, labels=ids)
     assert runs == []
     torch.testing.assert_close(out.logits, want.logits, rtol=1e-5, atol=1e-5)
     out.loss.backward()
+    way = "plain" if plain else "flash"  # plain: each sample's backward in plain products
+    assert backwards == [(7, way), (3, way), (11, way), (3, way)] * packed.config.num_hidden_layers
+    backwards.clear()
     want.loss.backward()
+    assert backwards == []
     _assert_same_grads(packed, masked.model, "cpu")

@@ -1,6 +1,6 @@
 """varlen_attention against F.scaled_dot_product_attention with the block-diagonal document mask (causal or not):
 outputs and the gradients of query, key and value, grouped-query heads, autocast's mixed dtypes, torch.compile,
-through torch's flash kernel and in plain products (plain=True); and that each segment is computed alone (the flash
+through torch's flash kernel's backward and in plain products (plain=True); and that each segment is computed alone (the flash
 kernel called once per run of equal ids, no mask)."""
 import pytest
 import torch
@@ -92,8 +92,21 @@ def test_torch_compile_matches_eager(plain):
     _compare(torch.compile(varlen_attention, fullgraph=True), q, k, v, g, True, tol=(1e-5, 1e-5), plain=plain)
 
 
-def test_plain_calls_no_flash_kernel(monkeypatch):
-    monkeypatch.setattr(va, "_flash", None)
+def test_plain_backward_only_below_its_length(monkeypatch):
+    """Samples of PLAIN_BACKWARD_BELOW tokens or more keep the flash kernel's backward, shorter ones plain products;
+    the gradients are the reference's either way."""
+    calls = []
+    plain_backward, flash_backward = va._plain_backward, va._flash_backward
+    monkeypatch.setattr(va, "_plain_backward", lambda g, *a: (calls.append(("plain", g.shape[2])), plain_backward(g, *a))[1])
+    monkeypatch.setattr(va, "_flash_backward",
+                        lambda g, *a, **kw: (calls.append(("flash", g.shape[2])), flash_backward(g, *a, **kw))[1])
+    monkeypatch.setattr(va, "PLAIN_BACKWARD_BELOW", 12)
+    q, k, v, g = _inputs(torch.float64)
+    _compare(varlen_attention, q, k, v, g, True, tol=(1e-10, 1e-12), plain=True)
+    assert calls == [("plain", 10), ("flash", 17), ("plain", 9), ("plain", 4), ("flash", 25), ("flash", 15)]
+
+
+def test_plain_calls_no_flash_backward(monkeypatch):
     monkeypatch.setattr(va, "_flash_backward", None)
     q, k, v, g = _inputs(torch.bfloat16)
     torch.autograd.grad(varlen_attention(q, k, v, SEGMENTS, True, plain=True), (q, k, v), g)

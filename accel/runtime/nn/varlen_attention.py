@@ -8,11 +8,13 @@ without a mask, causal where asked: the work of each sample alone. Forward and b
 (`accel::varlen_attention_fwd` / `_bwd`, fake kernels, autograd formula), opaque to a compiled graph, whose
 lengths they read on the host. CPU only: on CUDA the document mask (or FlexAttention's block mask) stays.
 
-`plain=True` computes each sample in plain products instead (q k^T and p v in the inputs' dtype, the softmax and
-its backward in fp32; the backward recomputes the probabilities from the saved logsumexp, as the flash kernel's
-does): torch's 16-bit CPU flash kernel is slow backwards on a CPU without AMX (2-core Zen 5, bf16, 8 heads of 64,
-one sample forward + backward: 2.2-4.0x faster plain at 32-512 tokens, causal or not). accelerate() asks for it
-where compute.cpu_attention does (accel.compiler.unpadded_attention).
+`plain=True` computes the backward of each sample shorter than PLAIN_BACKWARD_BELOW in plain products instead
+(the probabilities recomputed from the forward's logsumexp, as the flash kernel's backward does, from fp32
+scores; the softmax's backward in fp32; the products that give the inputs' gradients in their dtype): torch's
+16-bit CPU flash kernel is slow backwards on short samples on a CPU without AMX (~0.33 ms for 32 tokens; 2-core
+Zen 5, bf16, 12 heads of 64: 2.0-2.9x the plain backward's time at 32-128 tokens, 1.2-1.4x at 256, 0.84-0.97x
+at 512), while its forward is the faster one (plain 1.2-2.9x slower causal, 0.75-1.8x bidirectional).
+accelerate() asks for it where compute.cpu_attention does (accel.compiler.unpadded_attention).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import torch
 
 from accel.runtime.nn._common import check_tensor
 
+# plain=True: samples at least this long keep the flash kernel's backward (see the module docstring)
+PLAIN_BACKWARD_BELOW = 384
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -39,25 +43,22 @@ def segment_runs(segment_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
 
 
 def _scores(q, k, is_causal: bool, scale: float) -> torch.Tensor:
-    """q k^T scale of one sample [1, H, l, l] in the accumulation dtype, -inf above the diagonal where causal."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).to(_lse_dtype(q.dtype)).mul_(scale)
+    """q k^T scale of one sample [1, H, l, l] in the accumulation dtype, -inf above the diagonal where causal.
+    Computed in that dtype: the flash kernel's logsumexp is of fp32 scores, and probabilities recomputed from
+    16-bit ones against it would be off by their rounding (a score of 10 rounded to bf16 moves its exp by ~4%)."""
+    acc = _lse_dtype(q.dtype)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)).mul_(scale)
     if is_causal:
         scores.masked_fill_(torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).triu(1), float("-inf"))
     return scores
-
-
-def _plain_forward(q, k, v, is_causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sample's (output, logsumexp) in plain products (the flash kernel's results, its rounding aside)."""
-    scores = _scores(q, k, is_causal, scale)
-    lse = scores.logsumexp(-1)
-    return torch.matmul(scores.sub_(lse[..., None]).exp_().to(q.dtype), v), lse
 
 
 def _plain_backward(grad_out, q, k, v, out, lse, is_causal: bool, scale: float):
     """One sample's (dq, dk, dv) in plain products, the probabilities recomputed from the logsumexp."""
     probs = _scores(q, k, is_causal, scale).sub_(lse[..., None]).exp_()
     grad_value = torch.matmul(probs.to(q.dtype).transpose(-1, -2), grad_out)
-    grad_probs = torch.matmul(grad_out, v.transpose(-1, -2)).to(probs.dtype)
+    # in fp32 as the scores: softmax's backward subtracts delta from it, where 16-bit rounding would cancel badly
+    grad_probs = torch.matmul(grad_out.to(probs.dtype), v.to(probs.dtype).transpose(-1, -2))
     # softmax's backward: sum_j dP_ij P_ij = dO_i . O_i
     delta = (grad_out.to(probs.dtype) * out.to(probs.dtype)).sum(-1, keepdim=True)
     grad_scores = probs.mul_(grad_probs.sub_(delta)).mul_(scale).to(q.dtype)
@@ -68,16 +69,15 @@ def _plain_backward(grad_out, q, k, v, out, lse, is_causal: bool, scale: float):
 def _fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segment_ids: torch.Tensor, is_causal: bool,
          scale: float, plain: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Assumptions: query, key, value [B, H, L, D] on the CPU, one dtype, as many key as query heads;
-    segment_ids [B, L], each sample one run of equal ids. Returns (output [B, H, L, D], logsumexp [B, H, L] in the
-    accumulation dtype)."""
+    segment_ids [B, L], each sample one run of equal ids; `plain` says how the backward computes (the forward is
+    the flash kernel's either way). Returns (output [B, H, L, D], logsumexp [B, H, L] in the accumulation
+    dtype)."""
     out = torch.empty_like(query)
     lse = query.new_empty(query.shape[:3], dtype=_lse_dtype(query.dtype))
     for b, runs in enumerate(segment_runs(segment_ids)):
         for start, end in runs:
             s = slice(start, end)
-            q, k, v = query[b:b + 1, :, s], key[b:b + 1, :, s], value[b:b + 1, :, s]
-            o, m = _plain_forward(q, k, v, is_causal, scale) if plain else _flash(q, k, v, 0.0, is_causal,
-                                                                                  scale=scale)[:2]
+            o, m = _flash(query[b:b + 1, :, s], key[b:b + 1, :, s], value[b:b + 1, :, s], 0.0, is_causal, scale=scale)
             out[b:b + 1, :, s] = o
             lse[b:b + 1, :, s] = m
     return out, lse
@@ -99,7 +99,7 @@ def _bwd(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: 
             s = slice(start, end)
             args = (grad_out[b:b + 1, :, s], query[b:b + 1, :, s], key[b:b + 1, :, s], value[b:b + 1, :, s],
                     out[b:b + 1, :, s], lse[b:b + 1, :, s])
-            parts = (_plain_backward(*args, is_causal, scale) if plain
+            parts = (_plain_backward(*args, is_causal, scale) if plain and end - start < PLAIN_BACKWARD_BELOW
                      else _flash_backward(*args, 0.0, is_causal, scale=scale))
             for grad, part in zip(grads, parts):
                 grad[b:b + 1, :, s] = part
@@ -141,7 +141,8 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         segment_ids: [B, L] integer ids; each segment must be one run of equal ids (as packing lays samples out).
         is_causal: each token attends to the earlier tokens of its segment and itself only.
         scale: the scores' scale (default 1 / sqrt(D)).
-        plain: each sample in plain products rather than torch's flash kernel (see the module docstring).
+        plain: the backward of each sample shorter than PLAIN_BACKWARD_BELOW in plain products rather than by
+            torch's flash kernel (see the module docstring).
 
     Returns:
         [B, H, L, D], query's dtype.
