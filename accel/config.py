@@ -140,7 +140,8 @@ class ComputeConfig(_Section):
         least 1.25x faster than SDPA here, forward + backward). Models without attention dropout hit it (ViT,
         a BERT fine-tuned with attention_probs_dropout_prob=0); masked, causal and fp32 attention and calls
         without gradients keep SDPA. Packed rows (dataloader.pack) compute each sample's attention alone on the
-        CPU: with "plain" in plain products, causal or not (accel.runtime.nn.varlen_attention). torch's 16-bit CPU flash kernel is slow backwards without AMX: a 2-core
+        CPU: where plain, the backward of samples under 384 tokens in plain products, causal or not
+        (accel.runtime.nn.varlen_attention). torch's 16-bit CPU flash kernel is slow backwards without AMX: a 2-core
         AMD EPYC with AVX512-BF16 (Zen 5), 2026-11-27: [8, 12, 197, 64] bf16 forward + backward 7.8 ms plain
         against 29.8 ms; ViT-base training steps: see benchmarks/results/vit_base_cpu*.json.
     inductor_options: further torch._inductor.config settings for the model's compiled graphs (torch.compile's

@@ -30,8 +30,8 @@ flash kernel is slow backwards on a CPU without AMX. A 2-core AMD EPYC with AVX5
 1.5x at 577, 1.1x at 1024 (forward alone 0.9-1.0x, so calls without gradients keep SDPA; fp32 0.92-0.99x).
 `plain_attention_speedup` measures it on the machine at hand. Masked, causal or grouped-query attention keeps
 SDPA (its kernels skip what a mask or causality removes; plain ops with a padding mask measured 0.85-1.9x).
-Packed rows' per-sample attention takes plain products per sample too (varlen_attention's `plain`), causal or not:
-there a sample's products are what the flash kernel computes anyway.
+Packed rows' per-sample attention takes plain products too, for the backward of short samples (varlen_attention's
+`plain`), causal or not: there a sample's products are what the flash kernel computes anyway.
 """
 from __future__ import annotations
 
