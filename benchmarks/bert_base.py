@@ -48,6 +48,9 @@ Modes (one row each, in this order, one process)
   accel-philox-dropout  accel's row with the model's dropout layers drawing their masks with accel::dropout_mask
                  in compiled CUDA code too (PhiloxDropout.draw_when_compiled), where accel steps aside for the
                  dropout Inductor fuses: the A/B of that choice. Only when --modes names it.
+  peer-eager-attention  the peer with transformers' "eager" attention instead of SDPA (what accel's
+                 compute.cpu_attention picks on a CPU where SDPA's 16-bit flash kernel is slow backwards, chosen
+                 by hand). Only when --modes names it.
   accel:F=V[+F=V...]  the accel row with Config fields set otherwise, e.g. accel:compute.fuse_qkv=false:
                  an A/B of one of accelerate()'s choices in the same run (any number of such rows).
 
@@ -142,7 +145,8 @@ from accel.runtime.host_memory import keep_freed_memory, return_freed_memory  # 
 from benchmarks import _report  # noqa: E402
 
 MODES = ("eager", "eager-amp", "peer", "accel-kernels", "accel-xla", "accel")
-EXTRA_MODES = ("accel-model-only", "accel-step-graph", "accel-philox-dropout")  # run only when --modes names them
+EXTRA_MODES = ("accel-model-only", "accel-step-graph", "accel-philox-dropout",
+               "peer-eager-attention")  # run only when --modes names them
 BERT_BASE_CASED = dict(vocab_size=28996, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                        intermediate_size=3072, max_position_embeddings=512, type_vocab_size=2, num_labels=2)
 QUICK_BERT = dict(BERT_BASE_CASED, vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -473,6 +477,18 @@ def setup_peer(ctx: Context) -> Run:
     return Run(step, batches, device, f"{precision_name(dtype, device)}, {', '.join(extras)}")
 
 
+def setup_peer_eager_attention(ctx: Context) -> Run:
+    """The peer with transformers' "eager" attention (matmul, softmax, matmul, which Inductor fuses) instead of
+    SDPA: what a user who knows that torch's 16-bit CPU flash kernel is slow backwards would pick by hand."""
+    model = copy.deepcopy(ctx.initial_model)
+    if not hasattr(model, "set_attn_implementation"):
+        raise Skip("peer-eager-attention: the model is not a transformers model that can switch its attention")
+    model.set_attn_implementation("eager")
+    run = setup_peer(dataclasses.replace(ctx, initial_model=model))
+    run.precision += ", eager attention"
+    return run
+
+
 def setup_accel_kernels(ctx: Context) -> Run:
     from transformers import BertForSequenceClassification
 
@@ -587,6 +603,7 @@ def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_onl
 
 
 SETUPS = {"eager": setup_eager, "eager-amp": setup_eager_amp, "peer": setup_peer,
+          "peer-eager-attention": setup_peer_eager_attention,
           "accel-kernels": setup_accel_kernels, "accel-xla": setup_accel_xla, "accel": setup_accel,
           "accel-model-only": lambda ctx: setup_accel(ctx, model_only=True),
           "accel-step-graph": lambda ctx: setup_accel(ctx, step_graph=True),

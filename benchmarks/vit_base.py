@@ -14,8 +14,8 @@ Data: seeded random images; the label is whether the image's first channel sums 
     python benchmarks/vit_base.py [--quick] [--modes eager,peer,accel,accel:compute.cpu_attention=sdpa]
                                   [--steps N] [--batch B]
 
-Default modes: eager, eager-amp, peer, accel and, on the CPU, accel:compute.cpu_attention=sdpa (the A/B of that
-choice). Writes benchmarks/results/vit_base_<device>.json and .png.
+Default modes: eager, eager-amp, peer, accel and, on the CPU, peer-eager-attention (the peer with transformers'
+eager attention, chosen by hand) and accel:compute.cpu_attention=sdpa (the A/B of accel's choice). Writes benchmarks/results/vit_base_<device>.json and .png.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from benchmarks import _report, bert_base  # noqa: E402
 from benchmarks.causal_lm import plots  # noqa: E402
 
 MODES = ("eager", "eager-amp", "peer", "accel")
-CPU_MODES = MODES + ("accel:compute.cpu_attention=sdpa",)
+CPU_MODES = MODES + ("peer-eager-attention", "accel:compute.cpu_attention=sdpa")
 VIT_BASE = dict(image_size=224, patch_size=16, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                 intermediate_size=3072, num_labels=2)
 QUICK_VIT = dict(VIT_BASE, image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -59,6 +59,7 @@ MAX_PLAIN_LENGTH = 1024
 # plain_attention_speedup must find plain ops this much faster for compute.cpu_attention="auto" to take them.
 MIN_PLAIN_SPEEDUP = 1.25
 _PROBE_SHAPE = (4, 12, 256, 64)  # B, H, L, D: a BERT-base / ViT-base layer's attention, a few samples
+_NO_DROPOUT = nn.Identity()
 
 
 def _mask_builder(sdpa_mask):
@@ -97,13 +98,6 @@ def _plain_attention(query, key, value, attention_mask, scaling, dropout_layer: 
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
-def _reference_attention(query, key, value, scaling=None) -> torch.Tensor:
-    """Unmasked softmax(q k^T scaling) v in plain ops (as _plain_attention without mask or dropout), [B, H, L, D]
-    in and out."""
-    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(query.dtype), value)
-
-
 @functools.cache
 def plain_attention_speedup(dtype: torch.dtype = torch.bfloat16) -> float:
     """How many times faster plain ops train an unmasked bidirectional attention (forward + backward, [4, 12, 256,
@@ -123,8 +117,11 @@ def plain_attention_speedup(dtype: torch.dtype = torch.bfloat16) -> float:
         def train(attention):
             return lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), grad)
 
+        def plain(q, k, v):  # [B, L, H, D] -> SDPA's [B, H, L, D]
+            return _plain_attention(q, k, v, None, None, _NO_DROPOUT).transpose(1, 2)
+
         sdpa = best_time(train(torch.nn.functional.scaled_dot_product_attention), repeats=5)
-        return sdpa / best_time(train(_reference_attention), repeats=5)
+        return sdpa / best_time(train(plain), repeats=5)
 
 
 def _plain_training(module: nn.Module, query, key, attention_mask, dropout: float, kwargs: dict) -> bool:
@@ -162,7 +159,7 @@ def _attention(sdpa_forward):
                                    plain=getattr(module, PLAIN_TRAINING, False))
             return out.transpose(1, 2).contiguous(), None
         if _plain_training(module, query, key, attention_mask, dropout, kwargs):
-            return _reference_attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
+            return _plain_attention(query, key, value, None, scaling, _NO_DROPOUT), None
         layer = _own_dropout(module, dropout) if dropout > 0 and module.training else None
         if (layer is None or key.shape[1] != query.shape[1] or getattr(module, "is_causal", False)
                 or any(kwargs.get(name) is not None for name in ("is_causal", "position_bias", "cache", "softcap"))):
