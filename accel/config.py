@@ -110,8 +110,8 @@ class ComputeConfig(_Section):
         the dimension whose shape changed (accel.compiler.recompile_guard; the returned loader's
         `recompile_guard` attribute holds the report). Off by default: opt in.
     first_token_only: for classifiers that read one token of the encoder's output (BERT, RoBERTa, ELECTRA
-        sequence classification: accel.compiler.first_token), the last encoder layer computes that token
-        alone; under dataloader.pack, each sample's first token. Same logits, loss and gradients; BERT-base
+        sequence classification, ViT and DeiT image classification: accel.compiler.first_token), the last encoder
+        layer computes that token alone; under dataloader.pack, each sample's first token. Same logits, loss and gradients; BERT-base
         8x128 fwd+bwd 1.10x on a CPU (measured).
     fuse_qkv: an encoder's self-attention projects query, key and value with one GEMM over the three weights
         concatenated (accel.compiler.fused_qkv); the parameters stay three. Same results up to rounding. Off

@@ -1,7 +1,9 @@
 """Classifiers that read one token: the encoder's last layer computes only that token.
 
 A BERT-family classifier reads a single position of its encoder's output: BertForSequenceClassification's
-pooler and RoBERTa's or ELECTRA's classification head take hidden_states[:, 0]. The last layer's other positions
+pooler and RoBERTa's or ELECTRA's classification head take hidden_states[:, 0], as ViT's and DeiT's image
+classifiers take the [CLS] token (their layers pre-norm: the LayerNorm before the attention runs on every position,
+for the keys and values). The last layer's other positions
 (their queries, attention, output projection, feed-forward and LayerNorms) are computed and then dropped: in
 BERT-base that is 10/12 of the last of 12 layers, ~7% of a training step's arithmetic. `first_token_only(model)`
 makes the last layer compute position 0 alone, from the keys and values of every position. The model's logits,
@@ -33,10 +35,13 @@ from accel.utils.instance_forward import InstanceForward
 
 # Heads that read position 0 of the encoder's last layer and nothing else of it (and that return no per-token
 # output): a pooler over hidden_states[:, 0] or a classification head over features[:, 0, :].
+# Image classifiers that read the [CLS] token alone (ViT's and DeiT's; DINOv2's also averages the patches, DeiT's
+# distilled one reads two tokens) over pre-norm layers (layernorm_before, attention, layernorm_after, mlp).
+IMAGE_HEADS = frozenset({"ViTForImageClassification", "DeiTForImageClassification"})
 FIRST_TOKEN_HEADS = frozenset({
     "BertForSequenceClassification", "BertForMultipleChoice", "BertForNextSentencePrediction",
     "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification", "ElectraForSequenceClassification",
-})
+}) | IMAGE_HEADS
 # Attention implementations whose mask is None or a tensor with a query dimension that can be cut.
 _ATTENTION = (SDPA, ACCEL_SDPA, "eager")
 
@@ -52,6 +57,7 @@ class _LastLayerForward(InstanceForward):
 
     def __init__(self, layer: nn.Module):
         super().__init__(layer)
+        self.pre_norm = not _bert_layer(layer)  # else a _pre_norm_layer (last_layer_rows checked it is one)
         self.active = False
         self.rows: torch.Tensor | None = None
         self.hooked = False  # first_token_only has put its hooks on the model
@@ -69,8 +75,7 @@ class _LastLayerForward(InstanceForward):
         encoder_states = args[0] if args else kwargs.get("encoder_hidden_states")
         if ((self.active or rows is not None) and len(args) <= 1 and encoder_states is None
                 and kwargs.get("past_key_values") is None and kwargs.get("encoder_attention_mask") is None
-                and _cuttable(attention_mask)
-                and self.module.attention.self.config._attn_implementation in _ATTENTION):
+                and _cuttable(attention_mask) and self.attention.config._attn_implementation in _ATTENTION):
             rest = {k: v for k, v in kwargs.items()
                     if k not in ("encoder_hidden_states", "encoder_attention_mask", "past_key_values")}
             return self.first_token(hidden_states, attention_mask, rows, **rest)
@@ -81,23 +86,32 @@ class _LastLayerForward(InstanceForward):
             return (_take_rows(out[0], rows),) + out[1:]
         return _take_rows(out, rows)
 
+    @property
+    def attention(self) -> nn.Module:
+        """The module that calls the attention function (BertSelfAttention; ViTAttention)."""
+        return self.module.attention if self.pre_norm else self.module.attention.self
+
     def first_token(self, hidden_states: torch.Tensor, attention_mask, rows: torch.Tensor | None = None,
                     **kwargs) -> torch.Tensor:
-        """BertLayer.forward for the queries at position 0 ([B, S, H] -> [B, 1, H]) or, given rows [B, R], at
-        those positions ([B, S, H] -> [B, R, H])."""
+        """The layer's forward (BertLayer's, or a pre-norm layer's as ViTLayer) for the queries at position 0
+        ([B, S, H] -> [B, 1, H]) or, given rows [B, R], at those positions ([B, S, H] -> [B, R, H])."""
         from accel.compiler.fused_qkv import fused_projections, runs_fused  # it imports this module
 
-        layer = self.module
-        attn = layer.attention.self
+        layer, attn = self.module, self.attention
         batch, length = hidden_states.shape[:2]
         picked = hidden_states[:, :1] if rows is None else _take_rows(hidden_states, rows)
-        head = attn.attention_head_size
-        query = attn.query(picked).view(batch, picked.shape[1], -1, head).transpose(1, 2)
-        if runs_fused(attn):
-            key, value = fused_projections(attn, hidden_states, ("key", "value"))
+        if self.pre_norm:  # the queries' and the keys' and values' input: the LayerNorm before the attention
+            normed = layer.layernorm_before(hidden_states)
+            inputs, names, head = normed, ("q_proj", "k_proj", "v_proj"), attn.head_dim
+            queries_in = normed[:, :1] if rows is None else _take_rows(normed, rows)
         else:
-            key = attn.key(hidden_states).view(batch, length, -1, head).transpose(1, 2)
-            value = attn.value(hidden_states).view(batch, length, -1, head).transpose(1, 2)
+            inputs, names, head, queries_in = hidden_states, ("query", "key", "value"), attn.attention_head_size, picked
+        query = getattr(attn, names[0])(queries_in).view(batch, picked.shape[1], -1, head).transpose(1, 2)
+        if runs_fused(attn):
+            key, value = fused_projections(attn, inputs, names[1:])
+        else:
+            key, value = (getattr(attn, name)(inputs).view(batch, length, -1, head).transpose(1, 2)
+                          for name in names[1:])
         if attention_mask is not None and attention_mask.shape[-2] != 1:
             # [B, 1|heads, S, S] -> the rows of the queries kept
             if rows is None:
@@ -107,7 +121,11 @@ class _LastLayerForward(InstanceForward):
                 attention_mask = attention_mask.gather(2, index)
         context, _ = attend(attn, query, key, value, attention_mask, **kwargs)
         context = context.reshape(batch, picked.shape[1], -1).contiguous()
-        return layer.feed_forward_chunk(layer.attention.output(context, picked))
+        if not self.pre_norm:
+            return layer.feed_forward_chunk(layer.attention.output(context, picked))
+        # ViTLayer.forward from here: dropout and residual after the attention and after the MLP
+        hidden = layer.dropout(attn.o_proj(context)) + picked
+        return layer.dropout(layer.mlp(layer.layernorm_after(hidden))) + hidden
 
 
 def sees_every_position(config, kwargs: dict) -> bool:
@@ -137,13 +155,19 @@ def attention_function(attn: nn.Module):
     return ALL_ATTENTION_FUNCTIONS[implementation] if implementation in ALL_ATTENTION_FUNCTIONS else None
 
 
+def _attention_dropout(attn: nn.Module) -> float:
+    """The attention probabilities' dropout: BertSelfAttention's dropout layer, ViTAttention's attention_dropout."""
+    layer = getattr(attn, "dropout", None)
+    return layer.p if isinstance(layer, nn.Dropout) else float(getattr(attn, "attention_dropout", 0.0))
+
+
 def attend(attn: nn.Module, query, key, value, attention_mask, **kwargs):
-    """What a BertSelfAttention-like module does after its projections: its model's attention function over
-    [B, heads, L, D] queries, keys and values, with the module's dropout (while training) and scaling.
-    Returns (context [B, Lq, heads, D], attention weights or None)."""
+    """What a BertSelfAttention-like (or ViTAttention-like) module does after its projections: its model's attention
+    function over [B, heads, L, D] queries, keys and values, with the module's dropout (while training) and
+    scaling. Returns (context [B, Lq, heads, D], attention weights or None)."""
     return attention_function(attn)(attn, query, key, value, attention_mask,
-                                    dropout=attn.dropout.p if attn.training else 0.0, scaling=attn.scaling,
-                                    **kwargs)
+                                    dropout=_attention_dropout(attn) if attn.training else 0.0,
+                                    scaling=attn.scaling, **kwargs)
 
 
 def _cuttable(mask) -> bool:
@@ -163,15 +187,36 @@ def _bert_layer(layer: nn.Module) -> bool:
             and _eager_attention(attn) is not None)
 
 
+def _pre_norm_layer(layer: nn.Module) -> bool:
+    """Whether `layer` is built like ViTLayer of transformers 5: layernorm_before, an attention module with
+    q_proj/k_proj/v_proj/o_proj, layernorm_after, mlp and one dropout layer, in that order."""
+    attn = getattr(layer, "attention", None)
+    return (all(isinstance(getattr(layer, n, None), nn.LayerNorm) for n in ("layernorm_before", "layernorm_after"))
+            and isinstance(getattr(layer, "mlp", None), nn.Module)
+            and isinstance(getattr(layer, "dropout", None), nn.Dropout)
+            and all(isinstance(getattr(attn, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            and hasattr(attn, "head_dim") and hasattr(attn, "scaling") and hasattr(attn, "config")
+            and not getattr(attn, "is_causal", False) and _eager_attention(attn) is not None)
+
+
+def _encoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The encoder's layers: base_model.encoder.layer (BERT) or base_model.layers (ViT in transformers 5)."""
+    base = getattr(model, "base_model", None)
+    layers = getattr(getattr(base, "encoder", None), "layer", None)
+    if layers is None:
+        layers = getattr(base, "layers", None)
+    return layers if isinstance(layers, nn.ModuleList) and len(layers) > 0 else None
+
+
 def last_layer_rows(model: nn.Module) -> _LastLayerForward | None:
     """The last encoder layer's selecting forward (installed, idle until asked), or None where that layer is not
-    built like BertLayer. Set `.rows` to [B, R] positions around a call of the encoder and the layer returns those
-    rows alone, [B, R, H]; set it back to None after the call (PackedModel does both)."""
+    built like BertLayer or ViTLayer. Set `.rows` to [B, R] positions around a call of the encoder and the layer
+    returns those rows alone, [B, R, H]; set it back to None after the call (PackedModel does both)."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_decoder", False) or getattr(config, "is_encoder_decoder", False):
         return None
-    layers = getattr(getattr(getattr(model, "base_model", None), "encoder", None), "layer", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0 or not _bert_layer(layers[-1]):
+    layers = _encoder_layers(model)
+    if layers is None or not (_bert_layer(layers[-1]) or _pre_norm_layer(layers[-1])):
         return None
     layer = layers[-1]
     forward = layer.__dict__.get("forward")

@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the first-token heads are transformers models")
 
-from accel.compiler.first_token import FIRST_TOKEN_HEADS, first_token_only  # noqa: E402
+from accel.compiler.first_token import FIRST_TOKEN_HEADS, IMAGE_HEADS, first_token_only  # noqa: E402
 
 
 def _model(name: str, attention: str = "sdpa", layers: int = 2):
@@ -47,7 +47,7 @@ def _step(model, batch):
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize("name", sorted(FIRST_TOKEN_HEADS))
+@pytest.mark.parametrize("name", sorted(FIRST_TOKEN_HEADS - IMAGE_HEADS))
 def test_same_logits_loss_and_gradients_as_the_full_model(name, attention):
     model = _model(name, attention)
     reference = copy.deepcopy(model)
@@ -152,6 +152,89 @@ def test_compiled_model_matches_and_does_not_break_the_graph():
     model.compile(dynamic=False)
     logits, loss, grads = _step(model, batch)
     ref_logits, ref_loss, ref_grads = _step(reference, batch)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+# ------------------------------------------------------------ image classifiers over pre-norm layers (ViT, DeiT)
+
+def _image_model(name: str, attention: str = "sdpa"):
+    torch.manual_seed(0)
+    config_class = getattr(transformers, name.split("For")[0] + "Config")
+    config = config_class(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=37, num_labels=3, attn_implementation=attention)
+    return getattr(transformers, name)(config).train()
+
+
+def _image_batch():
+    torch.manual_seed(1)
+    return {"pixel_values": torch.randn(3, 3, 16, 16), "labels": torch.tensor([0, 2, 1])}
+
+
+def _image_query_lengths(model) -> list[int]:
+    seen = []
+    model.base_model.layers[-1].attention.q_proj.register_forward_hook(
+        lambda module, args, out: seen.append(args[0].shape[-2]))
+    return seen
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", sorted(IMAGE_HEADS))
+def test_image_classifiers_same_logits_loss_and_gradients(name, attention):
+    """ViT / DeiT: the last layer's query projection sees the [CLS] token alone; logits, loss and every gradient
+    are the full model's."""
+    model = _image_model(name, attention)
+    reference = copy.deepcopy(model)
+    assert first_token_only(model)
+    queries = _image_query_lengths(model)
+    batch = _image_batch()
+    logits, loss, grads = _step(model, batch)
+    ref_logits, ref_loss, ref_grads = _step(reference, batch)
+    assert queries == [1]
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for key, grad in grads.items():
+        if ref_grads[key] is None:
+            assert grad is None, key
+        else:
+            torch.testing.assert_close(grad, ref_grads[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_image_classifier_hidden_states_and_the_base_model_see_every_position():
+    model = _image_model("ViTForImageClassification", "eager")
+    reference = copy.deepcopy(model)
+    first_token_only(model)
+    queries = _image_query_lengths(model)
+    batch = _image_batch()
+    out, ref = model(**batch, output_hidden_states=True), reference(**batch, output_hidden_states=True)
+    torch.testing.assert_close(out.hidden_states[-1], ref.hidden_states[-1])
+    inner = model.vit(pixel_values=batch["pixel_values"]).last_hidden_state
+    torch.testing.assert_close(inner, reference.vit(pixel_values=batch["pixel_values"]).last_hidden_state)
+    assert queries == [17, 17]  # 16 patches and [CLS], both calls
+    model(**batch)
+    assert queries[-1] == 1
+
+
+def test_image_classifiers_reading_more_than_one_token_are_left_alone():
+    for name in ("Dinov2ForImageClassification", "DeiTForImageClassificationWithTeacher"):
+        config_class = getattr(transformers, name.split("For")[0] + "Config")
+        model = getattr(transformers, name)(config_class(image_size=16, patch_size=4, hidden_size=32,
+                                                          num_hidden_layers=1, num_attention_heads=4,
+                                                          intermediate_size=37, num_labels=3))
+        assert not first_token_only(model), name
+
+
+def test_compiled_image_classifier_matches():
+    import torch._dynamo
+
+    model = _image_model("ViTForImageClassification")
+    reference = copy.deepcopy(model)
+    first_token_only(model)
+    torch._dynamo.reset()
+    model.compile(dynamic=False)
+    logits, loss, grads = _step(model, _image_batch())
+    ref_logits, ref_loss, ref_grads = _step(reference, _image_batch())
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
     for key, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[key], rtol=1e-4, atol=1e-5, msg=key)
