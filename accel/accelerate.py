@@ -161,10 +161,13 @@ def _onednn_products(library: str, backend: str) -> bool:
     return distributed.all_ranks_agree(onednn_wins())  # every rank probes; all compute alike
 
 
-def _plain_training_attention(choice: str, backend: str, dtype: torch.dtype | None) -> bool:
-    """Whether an encoder's unmasked 16-bit training attention runs in plain ops (compute.cpu_attention; "auto":
-    where the probe found them faster on this CPU; accel.compiler.unpadded_attention)."""
-    if backend != "cpu" or dtype not in (torch.bfloat16, torch.float16) or choice == "sdpa":
+def _plain_training_attention(model: nn.Module, choice: str, backend: str, dtype: torch.dtype | None) -> bool:
+    """Whether the model's unmasked 16-bit training attention runs in plain ops (compute.cpu_attention; "auto":
+    where the probe found them faster on this CPU; accel.compiler.unpadded_attention). The probe runs only for a
+    model whose attention unpadded_attention switches."""
+    from accel.compiler.unpadded_attention import switches
+
+    if backend != "cpu" or dtype not in (torch.bfloat16, torch.float16) or choice == "sdpa" or not switches(model):
         return False
     if choice == "plain":
         return True
@@ -343,7 +346,8 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
 
         fuse_lm_loss(model)
     # Packed rows always have a mask; "accel_sdpa" still gives their attention the model's own dropout layer.
-    unpadded_attention(model, plain_training=_plain_training_attention(config.compute.cpu_attention, backend, dtype))
+    unpadded_attention(model, plain_training=_plain_training_attention(model, config.compute.cpu_attention, backend,
+                                                                       dtype))
     if config.compute.fuse_qkv:
         from accel.compiler.fused_qkv import fuse_qkv
 

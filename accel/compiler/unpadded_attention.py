@@ -183,6 +183,17 @@ def _register() -> bool:
     return True
 
 
+def switches(model: nn.Module) -> bool:
+    """Whether unpadded_attention switches `model` (or has): a transformers model with "sdpa" (or "accel_sdpa")
+    attention that is neither a decoder nor an encoder-decoder."""
+    if not is_transformers_model(model):
+        return False
+    config = model.config
+    implementation = getattr(config, "_attn_implementation", None)
+    return implementation == ACCEL_SDPA or (implementation == SDPA and not getattr(config, "is_decoder", False)
+                                            and not getattr(config, "is_encoder_decoder", False))
+
+
 def unpadded_attention(model: nn.Module, plain_training: bool = False) -> bool:
     """Switch a transformers encoder with "sdpa" attention to ACCEL_SDPA (see the module docstring).
 
@@ -195,14 +206,9 @@ def unpadded_attention(model: nn.Module, plain_training: bool = False) -> bool:
     Returns:
         Whether the model now uses ACCEL_SDPA (also True when it already did).
     """
-    if not is_transformers_model(model):
+    if not switches(model) or (model.config._attn_implementation == SDPA and not _register()):
         return False
     config = model.config
-    implementation = getattr(config, "_attn_implementation", None)
-    if implementation != ACCEL_SDPA and (
-            implementation != SDPA or getattr(config, "is_decoder", False)
-            or getattr(config, "is_encoder_decoder", False) or not _register()):
-        return False
     config._attn_implementation = ACCEL_SDPA  # transformers sets a composite model's sub-configs too (CLIP's)
     for module in model.modules():  # the modules an attention function is given hold the config they read
         if getattr(getattr(module, "config", None), "_attn_implementation", None) == ACCEL_SDPA:

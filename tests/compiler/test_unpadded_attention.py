@@ -340,3 +340,20 @@ def test_accelerate_follows_cpu_attention_and_the_probe(monkeypatch, choice, spe
     model = accel.accelerate(model, None, config)
     attention = [m for m in model.modules() if type(m).__name__ == "BertSelfAttention"]
     assert attention and all(getattr(m, PLAIN_TRAINING) == expected for m in attention)
+
+
+def test_accelerate_probes_only_for_a_model_it_switches(monkeypatch):
+    import accel
+    import accel.compiler.unpadded_attention as ua
+    import accel.utils.cpu as cpu
+
+    def probe(dtype):
+        raise AssertionError("probed for a model without an attention to switch")
+
+    monkeypatch.setattr(ua, "plain_attention_speedup", probe)
+    monkeypatch.setattr(cpu, "native_bf16", lambda: True)
+    config = accel.Config(backend="cpu")
+    config.compute.bf16, config.compute.compile = True, False
+    accel.accelerate(torch.nn.Sequential(torch.nn.Linear(4, 4)), None, config)
+    eager = transformers.BertForSequenceClassification(_config("eager"))
+    accel.accelerate(eager, None, config)
