@@ -155,16 +155,23 @@ def main(argv=None) -> int:
           f"{len(lengths)} samples of median {sorted(lengths)[len(lengths) // 2]} tokens; modes {','.join(args.modes)}",
           flush=True)
     ctx = bert_base.Context(model, workload, args.device, args.lr)
+    return run_one_workload(ctx, args, env, dict(config, attn=args.attn),
+                            f"{workload.name} (vocabulary {vocab}) on {env['device']}")
+
+
+def run_one_workload(ctx: bert_base.Context, args, env: dict, model: dict, title: str) -> int:
+    """bert_base.py's rows of args.modes on ctx's one workload: table, loss check, <args.out>.json and plots
+    (this benchmark's and vit_base.py's main). Returns the exit status: 1 when the loss check fails."""
     rows = [bert_base.run_mode(mode, ctx, args) for mode in args.modes]
     bert_base.add_speedups(rows)
-    bert_base.print_workload(workload.name, rows)
+    bert_base.print_workload(ctx.workload.name, rows)
     problems = bert_base.check_losses(rows, bert_base.FIRST_LOSS_TOL)
     verdict = "FAIL" if problems else "PASS"
-    payload = {**env, "workload": workload.name, "model": dict(config, attn=args.attn),
+    payload = {**env, "workload": ctx.workload.name, "model": model,
                "args": {k: str(v) if isinstance(v, (Path, torch.device)) else v for k, v in vars(args).items()},
                "rows": rows, "loss_check": {"verdict": verdict, "problems": problems}}
     path = _report.write_json(args.out, payload, args.results_dir)
-    pngs = plots(rows, f"{workload.name} (vocabulary {vocab}) on {env['device']}", args.out, args.results_dir)
+    pngs = plots(rows, title, args.out, args.results_dir)
     print(f"\nloss check: {verdict}" + "".join(f"\n  {p}" for p in problems))
     print(f"wrote {path}" + "".join(f" and {png}" for png in pngs))
     return 1 if problems else 0

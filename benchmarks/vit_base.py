@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accel.runtime.host_memory import keep_freed_memory  # noqa: E402
 from benchmarks import _report, bert_base  # noqa: E402
-from benchmarks.causal_lm import plots  # noqa: E402
+from benchmarks.causal_lm import run_one_workload  # noqa: E402
 
 MODES = ("eager", "eager-amp", "peer", "accel")
 CPU_MODES = MODES + ("peer-eager-attention", "accel:compute.cpu_attention=sdpa")
@@ -97,19 +97,7 @@ def main(argv=None) -> int:
     print(f"ViT {'quick (tiny)' if args.quick else 'base'} on {env['device']}: {workload.name}; modes "
           f"{','.join(args.modes)}", flush=True)
     ctx = bert_base.Context(build_model(config, args.seed), workload, args.device, args.lr)
-    rows = [bert_base.run_mode(mode, ctx, args) for mode in args.modes]
-    bert_base.add_speedups(rows)
-    bert_base.print_workload(workload.name, rows)
-    problems = bert_base.check_losses(rows, bert_base.FIRST_LOSS_TOL)
-    verdict = "FAIL" if problems else "PASS"
-    payload = {**env, "workload": workload.name, "model": config,
-               "args": {k: str(v) if isinstance(v, (Path, torch.device)) else v for k, v in vars(args).items()},
-               "rows": rows, "loss_check": {"verdict": verdict, "problems": problems}}
-    path = _report.write_json(args.out, payload, args.results_dir)
-    pngs = plots(rows, f"ViT {workload.name} on {env['device']}", args.out, args.results_dir)
-    print(f"\nloss check: {verdict}" + "".join(f"\n  {p}" for p in problems))
-    print(f"wrote {path}" + "".join(f" and {png}" for png in pngs))
-    return 1 if problems else 0
+    return run_one_workload(ctx, args, env, config, f"ViT {workload.name} on {env['device']}")
 
 
 if __name__ == "__main__":
