@@ -79,7 +79,7 @@ import torch
 from torch import nn
 
 from accel import distributed
-from accel.compiler.unpadded_attention import unpadded_attention
+from accel.compiler.unpadded_attention import switches, unpadded_attention
 from accel.config import Config
 from accel.data.full_mask import reads_no_mask_as_full
 from accel.runtime.host_memory import keep_freed_memory
@@ -165,8 +165,6 @@ def _plain_training_attention(model: nn.Module, choice: str, backend: str, dtype
     """Whether the model's unmasked 16-bit training attention runs in plain ops (compute.cpu_attention; "auto":
     where the probe found them faster on this CPU; accel.compiler.unpadded_attention). The probe runs only for a
     model whose attention unpadded_attention switches."""
-    from accel.compiler.unpadded_attention import switches
-
     if backend != "cpu" or dtype not in (torch.bfloat16, torch.float16) or choice == "sdpa" or not switches(model):
         return False
     if choice == "plain":
