@@ -357,3 +357,20 @@ def test_accelerate_probes_only_for_a_model_it_switches(monkeypatch):
     accel.accelerate(torch.nn.Sequential(torch.nn.Linear(4, 4)), None, config)
     eager = transformers.BertForSequenceClassification(_config("eager"))
     accel.accelerate(eager, None, config)
+
+
+def test_auto_takes_plain_ops_only_where_every_rank_found_them_faster(monkeypatch):
+    import accel
+    import accel.compiler.unpadded_attention as ua
+    import accel.utils.cpu as cpu
+    from accel import distributed
+    from accel.compiler.unpadded_attention import PLAIN_TRAINING
+
+    monkeypatch.setattr(ua, "plain_attention_speedup", lambda dtype: 9.0)
+    monkeypatch.setattr(cpu, "native_bf16", lambda: True)
+    monkeypatch.setattr(distributed, "all_ranks_agree", lambda flag: False)  # another rank's probe lost
+    config = accel.Config(backend="cpu")
+    config.compute.bf16, config.compute.compile = True, False
+    model, _ = _pair()
+    model = accel.accelerate(model, None, config)
+    assert not any(getattr(m, PLAIN_TRAINING, False) for m in model.modules())
