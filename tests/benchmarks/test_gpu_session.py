@@ -69,6 +69,17 @@ def test_bert_args_replace_the_workload_arguments(tmp_path):
     assert args[args.index("--modes") + 1] == "peer,accel" and "--budget-s" in args
 
 
+def test_vit_base_runs_only_when_named_with_its_arguments(tmp_path):
+    proc, out = _session(tmp_path, "vit_base", VIT_ARGS="--modes peer,accel")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _steps_run(out) == ["vit_base"]
+    assert (out / "vit_base.log").read_text().split() == ["benchmarks/vit_base.py", "--modes", "peer,accel"]
+    default = tmp_path / "default"
+    default.mkdir()
+    proc, out = _session(default, None, session_s=60)
+    assert "vit_base" not in _steps_run(out)
+
+
 def test_crash_bt_runs_the_named_tests_under_a_debugger_and_only_when_asked(tmp_path):
     node = "tests/runtime/test_dcn_v2.py::test_kernels_check_their_arguments"
     proc, out = _session(tmp_path, "crash_bt", CRASH_TESTS=node, PATH=f"{tmp_path}:{os.environ['PATH']}")
