@@ -23,13 +23,14 @@ probabilities itself and ignore that layer, so while training with dropout the a
 ops, as transformers' eager attention does, with the layer applied to the probabilities. On the CPU that is also
 what SDPA computes whenever it drops (its fused CPU kernels take no dropout): only the mask's source changes.
 
-On the CPU, an encoder's unmasked training attention in bf16/fp16 may also be computed in those plain ops
-(accelerate()'s compute.cpu_attention, `unpadded_attention(model, plain_training=True)`): torch's 16-bit CPU
-flash kernel is slow backwards on a CPU without AMX. A 2-core AMD EPYC with AVX512-BF16 (Zen 5), torch 2.9,
-2026-11-27, [B, 12, L, 64] bf16 forward + backward: plain ops compiled 2.8-5.7x SDPA's speed at L = 128-197,
-1.5x at 577, 1.1x at 1024 (forward alone 0.9-1.0x, so calls without gradients keep SDPA; fp32 0.92-0.99x).
-`plain_attention_speedup` measures it on the machine at hand. Masked, causal or grouped-query attention keeps
-SDPA (its kernels skip what a mask or causality removes; plain ops with a padding mask measured 0.85-1.9x).
+On the CPU, an encoder's training attention in bf16/fp16 may also be computed in those plain ops (accelerate()'s
+compute.cpu_attention, `unpadded_attention(model, plain_training=True)`): torch's 16-bit CPU flash kernel is slow
+backwards on a CPU without AMX. A 2-core AMD EPYC with AVX512-BF16 (Zen 5), torch 2.9, 2026-11-27, [B, 12, L, 64]
+bf16 forward + backward: unmasked, plain ops compiled 2.8-5.7x SDPA's speed at L = 128-197, 1.5x at 577, 1.1x
+at 1024; with a padding mask 3.1x at 128, 1.8x at 256, 1.6x at 384, 1.5x at 512, 5.1x at 64 (forward alone
+0.9-1.0x, so calls without gradients keep SDPA; fp32 0.92-0.99x). `plain_attention_speedup` measures it on the
+machine at hand. Causal or grouped-query attention keeps SDPA (causal kernels skip half the products: plain ops
+0.55x at 1024 tokens).
 Packed rows' per-sample attention takes plain products too, for the backward of short samples (varlen_attention's
 `plain`), causal or not: there a sample's products are what the flash kernel computes anyway.
 """
@@ -125,9 +126,11 @@ def plain_attention_speedup(dtype: torch.dtype = torch.bfloat16) -> float:
 
 
 def _plain_training(module: nn.Module, query, key, attention_mask, dropout: float, kwargs: dict) -> bool:
-    """Whether this call is an unmasked bidirectional 16-bit training attention on the CPU that the module was
-    told to compute in plain ops (PLAIN_TRAINING)."""
-    return (getattr(module, PLAIN_TRAINING, False) and attention_mask is None and dropout == 0
+    """Whether this call is a bidirectional 16-bit training attention on the CPU, unmasked or with a [B, 1|H, L, L]
+    tensor mask (padding, packed rows' document mask), that the module was told to compute in plain ops
+    (PLAIN_TRAINING)."""
+    return (getattr(module, PLAIN_TRAINING, False) and dropout == 0
+            and (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4))
             and query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
             and query.requires_grad and query.shape[2] == key.shape[2] <= MAX_PLAIN_LENGTH
             and key.shape[1] == query.shape[1] and not getattr(module, "is_causal", False)
@@ -159,7 +162,7 @@ def _attention(sdpa_forward):
                                    plain=getattr(module, PLAIN_TRAINING, False))
             return out.transpose(1, 2).contiguous(), None
         if _plain_training(module, query, key, attention_mask, dropout, kwargs):
-            return _plain_attention(query, key, value, None, scaling, _NO_DROPOUT), None
+            return _plain_attention(query, key, value, attention_mask, scaling, _NO_DROPOUT), None
         layer = _own_dropout(module, dropout) if dropout > 0 and module.training else None
         if (layer is None or key.shape[1] != query.shape[1] or getattr(module, "is_causal", False)
                 or any(kwargs.get(name) is not None for name in ("is_causal", "position_bias", "cache", "softcap"))):

@@ -238,18 +238,31 @@ def test_plain_training_attention_matches_sdpa_and_leaves_out_sdpa(monkeypatch, 
     assert len(calls) == model.config.num_hidden_layers
 
 
-def test_plain_training_attention_only_where_it_is_unmasked_bidirectional_16_bit(monkeypatch):
-    """A padding mask, fp32, or plain_training off: SDPA in every layer (the mask and causal ones are the cases
-    its kernels skip work in)."""
-    for plain_training, dtype, padded in ((True, torch.bfloat16, True), (True, torch.float32, False),
-                                          (False, torch.bfloat16, False)):
+def test_plain_training_attention_takes_padded_batches_too(monkeypatch):
+    """A padded bf16 batch: the plain ops with the padding mask, the fp32 SDPA model's logits and attention
+    gradients given the same mask."""
+    model, reference = _bf16_pair(plain_training=True)
+    batch = _batch(padded=True)
+    want = reference(**batch)
+    want.loss.backward()
+    calls = _sdpa_calls(monkeypatch)
+    got = model(**batch)
+    got.loss.backward()
+    assert calls == []
+    torch.testing.assert_close(got.logits.float(), want.logits, rtol=3e-2, atol=3e-2)
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        if "attention.self" in name and not name.endswith("key.bias"):  # see the unpadded test
+            torch.testing.assert_close(a.grad.float(), b.grad, rtol=6e-2, atol=6e-2 * b.grad.abs().max().item(),
+                                       msg=name)
+
+
+def test_plain_training_attention_only_in_16_bit_and_where_told(monkeypatch):
+    """fp32, or plain_training off: SDPA in every layer."""
+    for plain_training, dtype in ((True, torch.float32), (False, torch.bfloat16)):
         model, _ = _bf16_pair(plain_training)
         calls = _sdpa_calls(monkeypatch)
-        batch = _batch(padded=padded)
-        if not padded:
-            del batch["attention_mask"]
-        model.to(dtype)(**batch).loss.backward()
-        assert len(calls) == model.config.num_hidden_layers, (plain_training, dtype, padded)
+        model.to(dtype)(**_batch(padded=True)).loss.backward()
+        assert len(calls) == model.config.num_hidden_layers, (plain_training, dtype)
         monkeypatch.undo()
 
 
@@ -262,7 +275,9 @@ def test_plain_training_attention_asks_each_call():
     setattr(module, PLAIN_TRAINING, True)
     q = torch.randn(2, 4, 8, 16, dtype=torch.bfloat16, requires_grad=True)
     assert _plain_training(module, q, q, None, 0.0, {})
-    assert not _plain_training(module, q, q, torch.ones(2, 1, 8, 8, dtype=torch.bool), 0.0, {})  # masked
+    assert _plain_training(module, q, q, torch.ones(2, 1, 8, 8, dtype=torch.bool), 0.0, {})  # a padding mask
+    assert not _plain_training(module, q, q, object(), 0.0, {})  # e.g. FlexAttention's BlockMask
+    assert not _plain_training(module, q, q, torch.ones(2, 8, dtype=torch.bool), 0.0, {})  # not a [B, H, L, L] one
     assert not _plain_training(module, q, q, None, 0.1, {})  # dropout: SDPA's own path (or the module's layer)
     assert not _plain_training(module, q, q[:, :2], None, 0.0, {})  # grouped-query heads
     assert not _plain_training(module, q, q, None, 0.0, {"is_causal": True})
