@@ -171,7 +171,9 @@ def test_fp16_on_a_cpu_without_native_fp16_stays_fp32_even_with_native_bf16(monk
 def test_bf16_with_native_bf16_runs_the_forward_under_autocast(monkeypatch):
     monkeypatch.setattr(cpu_module, "native_bf16", lambda: True)
     ref, model = tiny_bert(), tiny_bert()
-    accel.accelerate(model, config=cpu_config(compile=False, kernels=False, bf16=True))
+    config = cpu_config(compile=False, kernels=False, bf16=True)
+    config.compute.cpu_attention = "sdpa"  # the reference's attention, so that the logits are bit-equal
+    accel.accelerate(model, config=config)
     batch = pad_to_longest(samples([6, 4]))
     logits = model(**batch).logits
     assert logits.dtype is torch.bfloat16  # the classifier's Linear ran in bf16
