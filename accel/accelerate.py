@@ -33,7 +33,7 @@ What it does, in order (each step says why it sits where it does):
    "accel_sdpa" (accel.compiler.unpadded_attention): the same attention, without a mask when a batch has no
    padding mask, also under torch.compile (where transformers would build one), with the attention
    module's own dropout layer where step 4 swapped it, on packed rows on the CPU each sample's attention
-   computed alone (accel.runtime.nn.varlen_attention), and on the CPU an unmasked 16-bit training attention in
+   computed alone (accel.runtime.nn.varlen_attention), and on the CPU a bidirectional 16-bit training attention in
    plain ops where a probe finds them faster than SDPA's flash kernel (compute.cpu_attention).
 7. compile (compute.compile): cuda and cpu compile the module in place with torch.compile, static
    shapes (one graph per bucket shape), CUDA graphs on cuda when compute.cuda_graphs (a graph Inductor runs
@@ -162,7 +162,7 @@ def _onednn_products(library: str, backend: str) -> bool:
 
 
 def _plain_training_attention(model: nn.Module, choice: str, backend: str, dtype: torch.dtype | None) -> bool:
-    """Whether the model's unmasked 16-bit training attention runs in plain ops (compute.cpu_attention; "auto":
+    """Whether the model's bidirectional 16-bit training attention runs in plain ops (compute.cpu_attention; "auto":
     where the probe found them faster on this CPU; accel.compiler.unpadded_attention). The probe runs only for a
     model whose attention unpadded_attention switches."""
     if backend != "cpu" or dtype not in (torch.bfloat16, torch.float16) or choice == "sdpa" or not switches(model):

@@ -53,7 +53,7 @@ ACCEL_SDPA = "accel_sdpa"
 SEGMENT_IDS = "accel_segment_ids"
 SEGMENTS_CAUSAL = "accel_segments_causal"
 # Set by unpadded_attention on a model's modules that hold its config or a sub-config (its attention modules among
-# them): whether their unmasked 16-bit training attention on the CPU takes plain ops (see the module docstring).
+# them): whether their bidirectional 16-bit training attention on the CPU takes plain ops (see the module docstring).
 PLAIN_TRAINING = "_accel_plain_training"
 # Longer sequences keep SDPA: plain ops keep [B, H, L, L] probabilities for the backward.
 MAX_PLAIN_LENGTH = 1024
@@ -203,8 +203,8 @@ def unpadded_attention(model: nn.Module, plain_training: bool = False) -> bool:
     Args:
         model: any module; only a transformers model whose config says "sdpa" attention and that is neither
             a decoder nor an encoder-decoder changes.
-        plain_training: its unmasked bidirectional bf16/fp16 training attention on the CPU is computed in plain
-            ops rather than by SDPA (where plain_attention_speedup found them faster; accelerate() decides).
+        plain_training: its bidirectional bf16/fp16 training attention (unmasked or padded) on the CPU is computed
+            in plain ops rather than by SDPA (where plain_attention_speedup found them faster; accelerate() decides).
 
     Returns:
         Whether the model now uses ACCEL_SDPA (also True when it already did).

@@ -71,7 +71,7 @@ Evidence (same data and seed in one process):
   decides them, by a probe on the machine itself (accel.runtime.nn.onednn_mm). AMD EPYC Zen 5, 2026-11-27:
   BERT-base 8x128 fp32 eager with the hooks 1.84x eager, accelerate() 2.29-2.35x (bert_base_cpu_fp32_simulated*).
 - Attention on the CPU is not a hook either: compute.cpu_attention decides, by a probe on the machine itself
-  (accel.compiler.unpadded_attention.plain_attention_speedup), whether an encoder's unmasked 16-bit training
+  (accel.compiler.unpadded_attention.plain_attention_speedup), whether an encoder's bidirectional 16-bit training
   attention runs in plain ops instead of SDPA, whose bf16 CPU flash kernel is slow backwards without AMX (2-core
   Zen 5, 2026-11-27: ViT-base training 1.20-1.22x; packed causal LM 1.08x through varlen_attention's plain backward).
 So the one hook of this table that wins today is PhiloxDropout on the CPU, compiled or not. This table is where the
