@@ -189,7 +189,9 @@ def _bert_layer(layer: nn.Module) -> bool:
 
 def _pre_norm_layer(layer: nn.Module) -> bool:
     """Whether `layer` is built like ViTLayer of transformers 5: layernorm_before, an attention module with
-    q_proj/k_proj/v_proj/o_proj, layernorm_after, mlp and one dropout layer, in that order."""
+    q_proj/k_proj/v_proj/o_proj, layernorm_after, mlp and one dropout layer. Their order is not visible in the
+    attributes: the heads that come here (IMAGE_HEADS) are ViT's and DeiT's, whose layers run them in that order
+    (tests/compiler/test_first_token.py compares each with the full layer)."""
     attn = getattr(layer, "attention", None)
     return (all(isinstance(getattr(layer, n, None), nn.LayerNorm) for n in ("layernorm_before", "layernorm_after"))
             and isinstance(getattr(layer, "mlp", None), nn.Module)
