@@ -61,6 +61,8 @@ MAX_PLAIN_LENGTH = 1024
 MIN_PLAIN_SPEEDUP = 1.25
 _PROBE_SHAPE = (4, 12, 256, 64)  # B, H, L, D: a BERT-base / ViT-base layer's attention, a few samples
 _NO_DROPOUT = nn.Identity()
+# What a call may ask of the attention beyond q, k, v and a mask, which the per-sample and plain ways do not do
+_SDPA_ONLY_KWARGS = ("sliding_window", "softcap", "position_bias", "cache", "s_aux", "head_mask")
 
 
 def _mask_builder(sdpa_mask):
@@ -134,8 +136,7 @@ def _plain_training(module: nn.Module, query, key, attention_mask, dropout: floa
             and query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
             and query.requires_grad and query.shape[2] == key.shape[2] <= MAX_PLAIN_LENGTH
             and key.shape[1] == query.shape[1] and not getattr(module, "is_causal", False)
-            and all(not kwargs.get(name) for name in ("is_causal", "sliding_window", "softcap", "position_bias",
-                                                       "cache", "s_aux", "head_mask")))
+            and all(not kwargs.get(name) for name in ("is_causal",) + _SDPA_ONLY_KWARGS))
 
 
 def _per_sample(module: nn.Module, query, key, segments, dropout: float, kwargs: dict) -> bool:
@@ -143,8 +144,7 @@ def _per_sample(module: nn.Module, query, key, segments, dropout: float, kwargs:
     self-attention over the whole row on the CPU, without dropout, a sliding window, soft-capping or a bias."""
     return (query.device.type == "cpu" and query.shape[2] == key.shape[2] == segments.shape[1]
             and not (dropout > 0 and module.training) and getattr(module, "sliding_window", None) is None
-            and all(kwargs.get(name) is None for name in ("sliding_window", "softcap", "position_bias", "cache",
-                                                          "s_aux", "head_mask")))
+            and all(kwargs.get(name) is None for name in _SDPA_ONLY_KWARGS))
 
 
 def _attention(sdpa_forward):
