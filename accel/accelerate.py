@@ -25,11 +25,12 @@ What it does, in order (each step says why it sits where it does):
 5. activation checkpointing (memory.gc): the blocks named by memory.gc_cls, or the repeated blocks
    auto_checkpoint finds; memory.gc_cnt limits it to the first N. memory.fused_lm_loss: a causal LM's training
    loss without its logits (accel.compiler.fused_lm_loss). Then compute.first_token_only: a
-   classifier that reads one token gets a last encoder layer that computes only that token
-   (accel.compiler.first_token; after checkpointing, which would recompute that layer outside the call).
+   classifier that reads one token (an encoder's first, a Llama-family decoder's last) gets a last layer that
+   computes only that token (accel.compiler.first_token; after checkpointing, which would recompute that layer
+   outside the call).
 6. packing (dataloader.pack): the model is wrapped to take packed rows (accel.compiler.packed); the
    autocast of step 2 goes around that wrapper. With compute.first_token_only a packed sequence classifier's
-   last layer computes each sample's first token alone. An encoder with "sdpa" attention switches to accel's
+   last layer computes each sample's read token alone. An encoder with "sdpa" attention switches to accel's
    "accel_sdpa" (accel.compiler.unpadded_attention): the same attention, without a mask when a batch has no
    padding mask, also under torch.compile (where transformers would build one), with the attention
    module's own dropout layer where step 4 swapped it, on packed rows on the CPU each sample's attention

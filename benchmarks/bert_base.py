@@ -190,6 +190,8 @@ class Workload:
     samples: list[dict]
     peer_dynamic: bool | None = None  # the peer's torch.compile(dynamic=...); None: Dynamo's automatic shapes
     tokens_per_sample: int | None = None  # batches of images (benchmarks/vit_base.py): the tokens an image is
+    # Inductor settings of the peer's CPU graphs where torch's defaults fail (benchmarks/decoder_classifier.py)
+    peer_cpu_options: dict | None = None
 
     @property
     def name(self) -> str:
@@ -456,7 +458,9 @@ def setup_peer(ctx: Context) -> Run:
     device, dtype = ctx.device, fast_dtype(ctx.device)
     model = copy.deepcopy(ctx.initial_model).to(device)
     cuda_graphs = device.type == "cuda"
-    compiled = torch.compile(model, mode="reduce-overhead" if cuda_graphs else None, dynamic=ctx.workload.peer_dynamic)
+    options = ctx.workload.peer_cpu_options if device.type == "cpu" else None
+    compiled = torch.compile(model, mode="reduce-overhead" if cuda_graphs else None, dynamic=ctx.workload.peer_dynamic,
+                             options=options)
     fused = fused_adamw_supported(device)
     # lr as a tensor: a scheduler changing it would otherwise recompile the optimizer step
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(ctx.lr, device=device), fused=fused)
@@ -474,6 +478,7 @@ def setup_peer(ctx: Context) -> Run:
 
     batches = (to_device(b, device) for b in endless(ctx.workload.loader()))
     extras = ["CUDA graphs" if cuda_graphs else "torch.compile", "fused AdamW" if fused else "AdamW"]
+    extras += [f"{key}={value}" for key, value in (options or {}).items()]
     return Run(step, batches, device, f"{precision_name(dtype, device)}, {', '.join(extras)}")
 
 

@@ -349,19 +349,36 @@ def test_gc_checkpoints_named_or_found_blocks(gc_cls, gc_cnt, expected):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def tiny_llama_classifier(seed=0, layers=2):
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+                                   num_labels=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    return transformers.LlamaForSequenceClassification(cfg).train()
+
+
+# (model builder, the last layer's query projection): an encoder's classifier reads the first token, a decoder's
+# the last that is not padding
+ONE_TOKEN_CLASSIFIERS = {
+    "bert": (tiny_bert, lambda model: model.bert.encoder.layer[-1].attention.self.query),
+    "llama": (tiny_llama_classifier, lambda model: model.model.layers[-1].self_attn.q_proj),
+}
+
+
 @pytest.mark.parametrize("gc", [False, True])
-def test_a_first_token_classifier_computes_one_token_in_its_last_layer(gc):
+@pytest.mark.parametrize("family", sorted(ONE_TOKEN_CLASSIFIERS))
+def test_a_one_token_classifier_computes_one_token_in_its_last_layer(family, gc):
     """compute.first_token_only (on by default; accel.compiler.first_token): the last layer's query projection
     sees one token, checkpointed or not, and the gradients are the full model's; off, it sees every token."""
+    build, query_projection = ONE_TOKEN_CLASSIFIERS[family]
     batch = pad_to_longest(samples([6, 4]))
     for on in (True, False):
         config = cpu_config(compile=False, kernels=False, first_token_only=on)
         config.memory.gc = gc
-        ref, model = tiny_bert(layers=3), tiny_bert(layers=3)
+        ref, model = build(layers=3), build(layers=3)
         accel.accelerate(model, config=config)
         seen = []
-        model.bert.encoder.layer[-1].attention.self.query.register_forward_hook(
-            lambda module, args, out: seen.append(args[0].shape[1]))
+        query_projection(model).register_forward_hook(lambda module, args, out: seen.append(args[0].shape[1]))
         ref(**batch).loss.backward()
         model(**batch).loss.backward()
         assert seen == ([1] if on else [6] * (2 if gc else 1))  # a checkpointed layer runs again in backward

@@ -19,9 +19,16 @@ The choice is made per call of the model: a forward pre-hook switches the last l
 forward hook that runs even when the forward raises switches it back. Apply it after activation checkpointing
 (accelerate() does): a checkpointed layer recomputes its forward in the backward, after the model's call.
 
-Packed rows (accel.compiler.packed) hold several samples, and their classifier reads each sample's first token:
-`last_layer_rows(model)` gives the same last-layer forward, through which PackedModel asks for those positions
-([B, S] indices) instead of position 0.
+A decoder's sequence classifier (Llama's, Mistral's, Qwen2's, Qwen3's: transformers' GenericForSequenceClassification,
+LAST_TOKEN_HEADS) reads one position too: each row's last token that is not padding (the rightmost token whose id is
+not pad_token_id, transformers' own rule, left or right padding). Its last decoder layer (RMSNorm, attention with
+rotary positions, RMSNorm, MLP) computes that token alone, from the keys and values of every position, and returns
+it in place in a [B, L, H] tensor of zeros: the model's own norm, score and pooling then read the same row as
+before. In a reward model of 16 layers that is ~1/16 of the step's arithmetic.
+
+Packed rows (accel.compiler.packed) hold several samples, and their classifier reads each sample's first token
+(an encoder's) or last token (a decoder's): `last_layer_rows(model)` gives the same last-layer forward, through
+which PackedModel asks for those positions ([B, S] indices) instead.
 """
 from __future__ import annotations
 
@@ -42,54 +49,93 @@ FIRST_TOKEN_HEADS = frozenset({
     "BertForSequenceClassification", "BertForMultipleChoice", "BertForNextSentencePrediction",
     "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification", "ElectraForSequenceClassification",
 }) | IMAGE_HEADS
+# Decoder classifiers that score the last token that is not padding, over layers built as LlamaDecoderLayer; the
+# model types are named because the layer's attributes do not show what its attention does (Olmo's clips q, k, v).
+LAST_TOKEN_HEADS = frozenset({"LlamaForSequenceClassification", "MistralForSequenceClassification",
+                              "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"})
+DECODER_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # Attention implementations whose mask is None or a tensor with a query dimension that can be cut.
 _ATTENTION = (SDPA, ACCEL_SDPA, "eager")
+_CACHE_KWARGS = ("cache", "past_key_values")  # the key/value cache's keyword: transformers 5.24's name, earlier
 
 
 class _LastLayerForward(InstanceForward):
     """The last layer's forward: only the positions a classifier reads while asked to, else the layer's own
     forward (an instance forward: accel.utils.instance_forward).
 
-    `active` (set by first_token_only's hooks around a call of the model) asks for position 0; `rows` (set by
-    PackedModel around its call of the encoder) asks for the positions in a [B, S] index tensor, and the layer
-    then always returns [B, S, H]: those rows of the full layer where the layer cannot be cut.
+    `active` (set by first_token_only's hooks around a call of an encoder classifier) asks for position 0;
+    `rows` (set by PackedModel around its call of the base model, or by the hooks of a decoder classifier) asks
+    for the positions in a [B, R] index tensor, and the layer then returns [B, R, H] (those rows of the full layer
+    where the layer cannot be cut) or, with `spread`, [B, L, H] with those rows in place and zeros elsewhere.
     """
 
     def __init__(self, layer: nn.Module):
         super().__init__(layer)
-        self.pre_norm = not _bert_layer(layer)  # else a _pre_norm_layer (last_layer_rows checked it is one)
+        # "bert", "pre_norm" (a ViTLayer) or "decoder" (a LlamaDecoderLayer); last_layer_rows checked it is one
+        self.kind = "bert" if _bert_layer(layer) else "pre_norm" if _pre_norm_layer(layer) else "decoder"
         self.active = False
         self.rows: torch.Tensor | None = None
+        self.spread = False
+        self.read: tuple | None = None  # a decoder classifier's call: last_token_rows' arguments
         self.hooked = False  # first_token_only has put its hooks on the model
 
     # -- the switch, as forward hooks of the classifier ---------------------------------------------------------
     def enter(self, model: nn.Module, args, kwargs) -> None:
-        self.active = not sees_every_position(model.config, kwargs)
+        if sees_every_position(model.config, kwargs):
+            return
+        if self.kind != "decoder":
+            self.active = True
+            return
+        # the positions are computed in the layer's call, inside the model's graph when compiled (a hook is
+        # traced as a graph of its own)
+        self.read = read_token(model, args, kwargs)
 
     def leave(self, model: nn.Module, args, output) -> None:
-        self.active = False
+        self.active, self.rows, self.spread, self.read = False, None, False, None
 
     # -- the layer --------------------------------------------------------------------------------------------------
     def __call__(self, hidden_states, attention_mask=None, *args, **kwargs):
+        if self.read is not None:
+            self.rows, self.spread, self.read = last_token_rows(*self.read).unsqueeze(-1), True, None
         rows = self.rows
-        encoder_states = args[0] if args else kwargs.get("encoder_hidden_states")
-        if ((self.active or rows is not None) and len(args) <= 1 and encoder_states is None
-                and kwargs.get("past_key_values") is None and kwargs.get("encoder_attention_mask") is None
-                and _cuttable(attention_mask) and self.attention.config._attn_implementation in _ATTENTION):
+        if (self.active or rows is not None) and self._cuttable(attention_mask, args, kwargs):
             rest = {k: v for k, v in kwargs.items()
-                    if k not in ("encoder_hidden_states", "encoder_attention_mask", "past_key_values")}
-            return self.first_token(hidden_states, attention_mask, rows, **rest)
+                    if k not in ("encoder_hidden_states", "encoder_attention_mask") + _CACHE_KWARGS}
+            if self.kind != "decoder":
+                return self.first_token(hidden_states, attention_mask, rows, **rest)
+            cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+            out = self.decoder_rows(hidden_states, attention_mask, rows, cache, **rest)
+            if not self.spread:
+                return out
+            index = rows.unsqueeze(-1).expand(-1, -1, out.shape[-1])
+            return out.new_zeros(hidden_states.shape).scatter(1, index, out)
         out = self.own(hidden_states, attention_mask, *args, **kwargs)
-        if rows is None:
+        if rows is None or self.spread:
             return out
         if isinstance(out, tuple):  # transformers before 5 returns (hidden_states, ...)
             return (_take_rows(out[0], rows),) + out[1:]
         return _take_rows(out, rows)
 
+    def _cuttable(self, attention_mask, args, kwargs) -> bool:
+        """Whether this call's attention can be computed for some queries alone: self-attention through an
+        implementation that takes a [B, 1|heads, Lq, Lk] mask, and a decoder's rotary positions given."""
+        implementation = self.attention.config._attn_implementation
+        if implementation not in _ATTENTION:
+            return False
+        if self.kind == "decoder":
+            # no mask: SDPA's own causal attention (transformers leaves the mask out only for SDPA)
+            return (not args and kwargs.get("position_embeddings") is not None
+                    and (_cuttable(attention_mask) if attention_mask is not None else implementation != "eager"))
+        encoder_states = args[0] if args else kwargs.get("encoder_hidden_states")
+        return (len(args) <= 1 and encoder_states is None and kwargs.get("encoder_attention_mask") is None
+                and all(kwargs.get(k) is None for k in _CACHE_KWARGS) and _cuttable(attention_mask))
+
     @property
     def attention(self) -> nn.Module:
-        """The module that calls the attention function (BertSelfAttention; ViTAttention)."""
-        return self.module.attention if self.pre_norm else self.module.attention.self
+        """The module that calls the attention function (BertSelfAttention; ViTAttention; LlamaAttention)."""
+        if self.kind == "decoder":
+            return self.module.self_attn
+        return self.module.attention if self.kind == "pre_norm" else self.module.attention.self
 
     def first_token(self, hidden_states: torch.Tensor, attention_mask, rows: torch.Tensor | None = None,
                     **kwargs) -> torch.Tensor:
@@ -100,7 +146,7 @@ class _LastLayerForward(InstanceForward):
         layer, attn = self.module, self.attention
         batch, length = hidden_states.shape[:2]
         picked = hidden_states[:, :1] if rows is None else _take_rows(hidden_states, rows)
-        if self.pre_norm:  # the queries' and the keys' and values' input: the LayerNorm before the attention
+        if self.kind == "pre_norm":  # the queries' and the keys' and values' input: the LayerNorm before attention
             normed = layer.layernorm_before(hidden_states)
             inputs, names, head = normed, ("q_proj", "k_proj", "v_proj"), attn.head_dim
             queries_in = normed[:, :1] if rows is None else _take_rows(normed, rows)
@@ -112,20 +158,87 @@ class _LastLayerForward(InstanceForward):
         else:
             key, value = (getattr(attn, name)(inputs).view(batch, length, -1, head).transpose(1, 2)
                           for name in names[1:])
-        if attention_mask is not None and attention_mask.shape[-2] != 1:
-            # [B, 1|heads, S, S] -> the rows of the queries kept
-            if rows is None:
-                attention_mask = attention_mask[:, :, :1]
-            else:
-                index = rows[:, None, :, None].expand(-1, attention_mask.shape[1], -1, attention_mask.shape[-1])
-                attention_mask = attention_mask.gather(2, index)
+        if attention_mask is not None:
+            attention_mask = attention_mask[:, :, :1] if rows is None else _mask_rows(attention_mask, batch, rows)
         context, _ = attend(attn, query, key, value, attention_mask, **kwargs)
         context = context.reshape(batch, picked.shape[1], -1).contiguous()
-        if not self.pre_norm:
+        if self.kind == "bert":
             return layer.feed_forward_chunk(layer.attention.output(context, picked))
         # ViTLayer.forward from here: dropout and residual after the attention and after the MLP
         hidden = layer.dropout(attn.o_proj(context)) + picked
         return layer.dropout(layer.mlp(layer.layernorm_after(hidden))) + hidden
+
+    def decoder_rows(self, hidden_states: torch.Tensor, attention_mask, rows: torch.Tensor, cache=None,
+                     position_embeddings=None, **kwargs) -> torch.Tensor:
+        """LlamaDecoderLayer.forward for the queries at rows [B, R] alone: [B, L, H] -> [B, R, H]. The keys and values
+        of every position go through the rotary embedding and the cache (if any) as the full layer's do."""
+        layer, attn = self.module, self.attention
+        batch, length = hidden_states.shape[:2]
+        rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        normed = layer.input_layernorm(hidden_states)
+        cos, sin = (t.expand(batch, -1, -1) for t in position_embeddings)  # [B | 1, L, D]
+        query = _decoder_heads(attn, "q", _take_rows(normed, rows))
+        query, _ = rotate(query, query, _take_rows(cos, rows), _take_rows(sin, rows))
+        key = _decoder_heads(attn, "k", normed)
+        _, key = rotate(key, key, cos, sin)
+        value = _decoder_heads(attn, "v", normed)
+        if cache is not None:
+            key, value = cache.update(key, value, attn.layer_idx)
+        if attention_mask is None:  # SDPA's causal attention (a cache before this call shifts the diagonal)
+            keys = torch.arange(key.shape[2], device=rows.device)
+            attention_mask = keys <= (rows + key.shape[2] - length).view(batch, 1, -1, 1)
+        else:
+            attention_mask = _mask_rows(attention_mask, batch, rows)
+        # Mistral's attention passes its config's window, Qwen's each layer's own (None on full-attention layers)
+        window = getattr(attn, "sliding_window") if hasattr(attn, "sliding_window") else getattr(
+            attn.config, "sliding_window", None)
+        if window is not None:
+            kwargs["sliding_window"] = window
+        context, _ = attend(attn, query, key, value, attention_mask, **kwargs)
+        hidden = _take_rows(hidden_states, rows) + attn.o_proj(context.reshape(batch, rows.shape[1], -1))
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+def read_token(model: nn.Module, args, kwargs) -> tuple | None:
+    """For a decoder classifier's call: the arguments of last_token_rows for its rows, or None where the model
+    would refuse the call (several rows and no pad_token_id) or the call has no [B, L] input."""
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    embeds = kwargs.get("inputs_embeds")
+    source = input_ids if input_ids is not None else embeds
+    if not isinstance(source, torch.Tensor) or source.dim() != (2 if input_ids is not None else 3):
+        return None
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    batch, length = source.shape[:2]
+    if config.pad_token_id is None and batch != 1:
+        return None
+    return input_ids, config.pad_token_id, batch, length, source.device
+
+
+def last_token_rows(input_ids: torch.Tensor | None, pad: int | None, batch: int, length: int,
+                    device: torch.device) -> torch.Tensor:
+    """[B]: the position a decoder classifier scores in each row, by transformers' rule: the rightmost token whose
+    id is not `pad` (left or right padding), the last position without input ids or without a pad id."""
+    if pad is None or input_ids is None:
+        return torch.full((batch,), length - 1, dtype=torch.long, device=device)
+    positions = torch.arange(length, device=device, dtype=torch.int32)
+    return (positions * (input_ids != pad).to(torch.int32)).argmax(-1)
+
+
+def _decoder_heads(attn: nn.Module, name: str, inputs: torch.Tensor) -> torch.Tensor:
+    """A Llama-like attention's projection `name` ("q", "k", "v") of [B, L, H] as [B, heads, L, head_dim], through
+    its per-head RMSNorm where it has one (Qwen3's q_norm, k_norm)."""
+    states = getattr(attn, f"{name}_proj")(inputs).view(*inputs.shape[:2], -1, attn.head_dim)
+    norm = getattr(attn, f"{name}_norm", None)
+    return (states if norm is None else norm(states)).transpose(1, 2)
+
+
+def _mask_rows(attention_mask: torch.Tensor, batch: int, rows: torch.Tensor) -> torch.Tensor:
+    """[B | 1, 1 | heads, L, Lk] mask -> the rows of the queries kept, [B, 1 | heads, R, Lk]."""
+    if attention_mask.shape[-2] == 1:  # one row for every query already
+        return attention_mask
+    mask = attention_mask.expand(batch, -1, -1, -1)
+    index = rows[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[-1])
+    return mask.gather(2, index)
 
 
 def sees_every_position(config, kwargs: dict) -> bool:
@@ -201,8 +314,24 @@ def _pre_norm_layer(layer: nn.Module) -> bool:
             and not getattr(attn, "is_causal", False) and _eager_attention(attn) is not None)
 
 
+def _decoder_layer(layer: nn.Module) -> bool:
+    """Whether `layer` is built like LlamaDecoderLayer: input_layernorm, self_attn (q/k/v/o projections, per-head
+    q_norm/k_norm optional, causal, rotary positions from its model file), post_attention_layernorm and mlp, and
+    nothing else."""
+    attn = getattr(layer, "self_attn", None)
+    if attn is None or {name for name, _ in layer.named_children()} != {
+            "self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}:
+        return False
+    projections = {"q_proj", "k_proj", "v_proj", "o_proj"}
+    return ({name for name, _ in attn.named_children()} in (projections, projections | {"q_norm", "k_norm"})
+            and all(isinstance(getattr(attn, n), nn.Linear) for n in projections)
+            and all(hasattr(attn, n) for n in ("head_dim", "scaling", "layer_idx", "config"))
+            and getattr(attn, "is_causal", False) is True and _eager_attention(attn) is not None
+            and callable(getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)))
+
+
 def _encoder_layers(model: nn.Module) -> nn.ModuleList | None:
-    """The encoder's layers: base_model.encoder.layer (BERT) or base_model.layers (ViT in transformers 5)."""
+    """The model's layers: base_model.encoder.layer (BERT) or base_model.layers (ViT in transformers 5, Llama)."""
     base = getattr(model, "base_model", None)
     layers = getattr(getattr(base, "encoder", None), "layer", None)
     if layers is None:
@@ -211,16 +340,20 @@ def _encoder_layers(model: nn.Module) -> nn.ModuleList | None:
 
 
 def last_layer_rows(model: nn.Module) -> _LastLayerForward | None:
-    """The last encoder layer's selecting forward (installed, idle until asked), or None where that layer is not
-    built like BertLayer or ViTLayer. Set `.rows` to [B, R] positions around a call of the encoder and the layer
-    returns those rows alone, [B, R, H]; set it back to None after the call (PackedModel does both)."""
+    """The last layer's selecting forward (installed, idle until asked), or None where that layer is not built like
+    BertLayer or ViTLayer, or like LlamaDecoderLayer in a model of DECODER_TYPES. Set `.rows` to [B, R] positions
+    around a call of the base model and the layer returns those rows alone, [B, R, H]; set it back to None after
+    the call (PackedModel does both)."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_decoder", False) or getattr(config, "is_encoder_decoder", False):
         return None
     layers = _encoder_layers(model)
-    if layers is None or not (_bert_layer(layers[-1]) or _pre_norm_layer(layers[-1])):
+    if layers is None:
         return None
     layer = layers[-1]
+    if not (_bert_layer(layer) or _pre_norm_layer(layer)
+            or (getattr(config, "model_type", None) in DECODER_TYPES and _decoder_layer(layer))):
+        return None
     forward = layer.__dict__.get("forward")
     if not isinstance(forward, _LastLayerForward):
         forward = _LastLayerForward(layer).install()
@@ -228,15 +361,16 @@ def last_layer_rows(model: nn.Module) -> _LastLayerForward | None:
 
 
 def first_token_only(model: nn.Module) -> bool:
-    """Make the last encoder layer of a first-token classifier compute position 0 only (see the module docstring).
+    """Make the last layer of a classifier that reads one token compute that token only (see the module docstring).
 
     Args:
-        model: a transformers model whose class is in FIRST_TOKEN_HEADS (anything else is left alone).
+        model: a transformers model whose class is in FIRST_TOKEN_HEADS (position 0) or LAST_TOKEN_HEADS (the last
+            token that is not padding); anything else is left alone.
 
     Returns:
         Whether the model now computes its last layer for one token. A second call changes nothing.
     """
-    if not isinstance(model, nn.Module) or type(model).__name__ not in FIRST_TOKEN_HEADS:
+    if not isinstance(model, nn.Module) or type(model).__name__ not in FIRST_TOKEN_HEADS | LAST_TOKEN_HEADS:
         return False
     forward = last_layer_rows(model)
     if forward is None:

@@ -174,13 +174,15 @@ class PackedModel(nn.Module):
     `load_state_dict()` use the wrapped model's keys (no "model." prefix), so checkpoints move freely between
     the two; `named_parameters()` keeps the prefix, as for any submodule.
 
-    A sequence classifier reads one position per sample of the encoder's last layer, so with `first_tokens_only`
-    that layer computes those positions alone (accel.compiler.first_token; where the layer is built like
-    BertLayer and the attention is "sdpa", "accel_sdpa" or "eager"), the rest of the row only as keys and values.
+    A sequence classifier reads one position per sample of the last layer (an encoder's first token, a
+    decoder's last), so with `first_tokens_only` that layer computes those positions alone
+    (accel.compiler.first_token; where the layer is built like BertLayer, or LlamaDecoderLayer in a Llama, Mistral
+    or Qwen model, and the attention is "sdpa", "accel_sdpa" or "eager"), the rest of the row only as keys and
+    values.
 
     Args:
         model: the transformers model to wrap.
-        first_tokens_only: let a sequence classifier's last layer compute only the samples' first tokens
+        first_tokens_only: let a sequence classifier's last layer compute only the samples' tokens its head reads
             (accelerate()'s compute.first_token_only). Outputs and gradients are the same either way.
 
     Raises:
@@ -225,7 +227,8 @@ class PackedModel(nn.Module):
         # Whether extra keyword arguments reach the attention functions (transformers 5's **kwargs)
         self._passes_kwargs = all(_takes_var_keywords(type(m).forward) for m in (model, model.base_model))
         # The selecting forward of the last layer (a plain object, not a submodule), or None: the full layer.
-        self._last_layer = last_layer_rows(model) if first_tokens_only and self.head == "sequence" else None
+        self._last_layer = last_layer_rows(model) if first_tokens_only and self.head in ("sequence", "last_token") \
+            else None
         self.register_state_dict_post_hook(_state_dict_without_wrapper)
         self.register_load_state_dict_pre_hook(_load_state_dict_into_wrapper)
 

@@ -6,6 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from benchmarks import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,15 +71,16 @@ def test_bert_args_replace_the_workload_arguments(tmp_path):
     assert args[args.index("--modes") + 1] == "peer,accel" and "--budget-s" in args
 
 
-def test_vit_base_runs_only_when_named_with_its_arguments(tmp_path):
-    proc, out = _session(tmp_path, "vit_base", VIT_ARGS="--modes peer,accel")
+@pytest.mark.parametrize("name, variable", [("vit_base", "VIT_ARGS"), ("decoder_classifier", "CLASSIFIER_ARGS")])
+def test_single_workload_benchmarks_run_only_when_named_with_their_arguments(tmp_path, name, variable):
+    proc, out = _session(tmp_path, name, **{variable: "--modes peer,accel"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert _steps_run(out) == ["vit_base"]
-    assert (out / "vit_base.log").read_text().split() == ["benchmarks/vit_base.py", "--modes", "peer,accel"]
+    assert _steps_run(out) == [name]
+    assert (out / f"{name}.log").read_text().split() == [f"benchmarks/{name}.py", "--modes", "peer,accel"]
     default = tmp_path / "default"
     default.mkdir()
     proc, out = _session(default, None, session_s=60)
-    assert "vit_base" not in _steps_run(out)
+    assert name not in _steps_run(out)
 
 
 def test_crash_bt_runs_the_named_tests_under_a_debugger_and_only_when_asked(tmp_path):

@@ -7,7 +7,13 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the first-token heads are transformers models")
 
-from accel.compiler.first_token import FIRST_TOKEN_HEADS, IMAGE_HEADS, first_token_only  # noqa: E402
+from accel.compiler.first_token import (  # noqa: E402
+    FIRST_TOKEN_HEADS,
+    IMAGE_HEADS,
+    LAST_TOKEN_HEADS,
+    first_token_only,
+    last_layer_rows,
+)
 
 
 def _model(name: str, attention: str = "sdpa", layers: int = 2):
@@ -238,3 +244,150 @@ def test_compiled_image_classifier_matches():
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
     for key, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+# ------------------------------------------------- decoder classifiers: the last token that is not padding (Llama)
+
+def _decoder_model(name: str, attention: str = "sdpa", **settings):
+    torch.manual_seed(0)
+    config_class = getattr(transformers, name.split("For")[0] + "Config")
+    config = config_class(**{**dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, intermediate_size=37, max_position_embeddings=64,
+                                    num_labels=3, pad_token_id=0), **settings})
+    config._attn_implementation = attention
+    return getattr(transformers, name)(config).train()
+
+
+def _decoder_batch(padding: str = "right"):
+    """Three rows of 9 tokens: one full, two with 3 pad tokens (id 0) at the end, at the start, or none."""
+    torch.manual_seed(1)
+    ids, mask = torch.randint(3, 99, (3, 9)), torch.ones(3, 9, dtype=torch.long)
+    pads = {"right": slice(6, None), "left": slice(None, 3)}.get(padding)
+    if pads is not None:
+        ids[1:, pads], mask[1:, pads] = 0, 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 2, 1])}
+
+
+def _decoder_query_lengths(model) -> list[int]:
+    seen = []
+    model.base_model.layers[-1].self_attn.q_proj.register_forward_hook(
+        lambda module, args, out: seen.append(args[0].shape[-2]))
+    return seen
+
+
+def _assert_same_step(got, expected, tol=(1e-5, 1e-6), grad_tol=(1e-4, 1e-6)):
+    """Logits, loss and every parameter's gradient of two _step results."""
+    (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = got, expected
+    torch.testing.assert_close(logits, ref_logits, rtol=tol[0], atol=tol[1])
+    torch.testing.assert_close(loss, ref_loss, rtol=tol[0], atol=tol[1])
+    assert grads.keys() == ref_grads.keys()
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[key], rtol=grad_tol[0], atol=grad_tol[1], msg=key)
+
+
+def _cache_keys(out) -> torch.Tensor:
+    """The last layer's keys in the cache a call returned (`cache` in transformers >= 5.24, else past_key_values)."""
+    cache = out.get("cache", out.get("past_key_values"))
+    return cache.layers[-1].keys
+
+
+@pytest.mark.parametrize("padding", ["right", "left", "none"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", sorted(LAST_TOKEN_HEADS))
+def test_decoder_classifiers_same_logits_loss_gradients_and_cache(name, attention, padding):
+    """The last layer's query projection sees one token per row; the logits, loss, every gradient and the key/value
+    cache the call returns (transformers builds one: use_cache is on by default) are the full model's."""
+    model = _decoder_model(name, attention)
+    reference = copy.deepcopy(model)
+    assert first_token_only(model)
+    queries = _decoder_query_lengths(model)
+    batch = _decoder_batch(padding)
+    if padding == "none":  # no mask at all: SDPA's own causal attention in the full layer
+        del batch["attention_mask"]
+    _assert_same_step(_step(model, batch), _step(reference, batch))
+    assert queries == [1], "the last layer computed more than the token the classifier reads"
+    with torch.no_grad():
+        torch.testing.assert_close(_cache_keys(model(**batch)), _cache_keys(reference(**batch)))
+
+
+@pytest.mark.parametrize("name, settings", [
+    ("MistralForSequenceClassification", dict(sliding_window=4)),
+    ("Qwen2ForSequenceClassification", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0)),
+])
+def test_decoder_classifiers_with_a_sliding_window_shorter_than_the_rows(name, settings):
+    model = _decoder_model(name, "sdpa", **settings)
+    reference = _decoder_model(name, "eager", **settings)  # transformers' eager attention with its own window mask
+    reference.load_state_dict(model.state_dict())
+    first_token_only(model)
+    queries = _decoder_query_lengths(model)
+    batch = _decoder_batch("right")
+    _assert_same_step(_step(model, batch), _step(reference, batch))
+    with torch.no_grad():  # and the window matters here: without it the logits differ
+        unwindowed = _decoder_model(name.replace("Mistral", "Llama").replace("Qwen2", "Llama"))
+        unwindowed.load_state_dict(model.state_dict(), strict=False)
+        assert not torch.allclose(unwindowed(**batch).logits, reference(**batch).logits, atol=1e-4)
+    assert queries == [1]
+
+
+def test_decoder_classifier_after_a_cached_prefix_and_from_embeddings():
+    """A call continuing a cache (the queries' diagonal shifted by the cached tokens) and a call given
+    inputs_embeds (the last position is read) match the full model."""
+    model = _decoder_model("LlamaForSequenceClassification").eval()
+    reference = copy.deepcopy(model)
+    first_token_only(model)
+    queries = _decoder_query_lengths(model)
+    ids = _decoder_batch("none")["input_ids"]
+    with torch.no_grad():
+        got, expected = model(ids[:, :5], use_cache=True), reference(ids[:, :5], use_cache=True)
+        cache, ref_cache = (out.get("cache", out.get("past_key_values")) for out in (got, expected))
+        # positional: the keyword is `cache` in transformers >= 5.24 and `past_key_values` before
+        torch.testing.assert_close(model(ids[:, 5:], None, None, cache).logits,
+                                   reference(ids[:, 5:], None, None, ref_cache).logits)
+        embeds = model.get_input_embeddings()(ids)
+        torch.testing.assert_close(model(inputs_embeds=embeds).logits, reference(inputs_embeds=embeds).logits)
+    assert queries == [1, 1, 1]
+
+
+def test_decoder_classifier_without_a_pad_id():
+    """Without pad_token_id transformers reads the last position of a single row and refuses several rows; so
+    does the cut model, and a refused call leaves the full layer to the next caller."""
+    model = _decoder_model("LlamaForSequenceClassification", pad_token_id=None).eval()
+    reference = copy.deepcopy(model)
+    first_token_only(model)
+    queries = _decoder_query_lengths(model)
+    ids = _decoder_batch("none")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids[:1]).logits, reference(ids[:1]).logits)
+        with pytest.raises(ValueError, match="padding token"):
+            model(ids)
+        model.model(input_ids=ids)
+    assert queries == [1, 9, 9]
+
+
+def test_decoder_classifier_hidden_states_and_compiled():
+    import torch._dynamo
+
+    model = _decoder_model("Qwen3ForSequenceClassification")
+    reference = copy.deepcopy(model)
+    first_token_only(model)
+    batch = _decoder_batch("right")
+    with torch.no_grad():
+        out, ref = model(**batch, output_hidden_states=True), reference(**batch, output_hidden_states=True)
+        torch.testing.assert_close(out.hidden_states[-1], ref.hidden_states[-1])
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(**batch)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    model.compile(dynamic=False)
+    _assert_same_step(_step(model, batch), _step(reference, batch), tol=(1e-4, 1e-5), grad_tol=(1e-4, 1e-5))
+
+
+def test_other_decoders_are_left_alone():
+    gpt2 = transformers.GPT2ForSequenceClassification(transformers.GPT2Config(
+        vocab_size=99, n_embd=32, n_layer=1, n_head=4, n_positions=16, pad_token_id=0))
+    assert not first_token_only(gpt2)  # GPT2Block: not built like LlamaDecoderLayer
+    causal = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37))
+    assert not first_token_only(causal)  # reads every position
+    model = _decoder_model("LlamaForSequenceClassification")
+    model.config.model_type = "olmo"  # a layer built alike whose attention may differ (Olmo clips q, k, v)
+    assert last_layer_rows(model) is None

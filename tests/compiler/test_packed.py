@@ -501,6 +501,16 @@ def _classifier_models(family, backend, device):
     return packed, reference
 
 
+def _decoder_query_lengths(packed) -> list[int]:
+    """Records how many positions per row the last layer's query projection (Llama) or fused projection (GPT-2)
+    sees per call."""
+    layer = packed.model.base_model.layers[-1].self_attn.q_proj if hasattr(packed.model.base_model, "layers") \
+        else packed.model.base_model.h[-1].attn.c_attn
+    seen = []
+    layer.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[-2]))
+    return seen
+
+
 def _class_samples(seed=0):
     g = torch.Generator().manual_seed(seed)
     return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist(),
@@ -515,8 +525,13 @@ def test_packed_decoder_classifier_matches_each_sample_alone(family, backend, de
     samples = _class_samples()
     ds, batch = _packed(samples, device)
     tol = _tolerance(device)
+    queries = _decoder_query_lengths(packed)
     with torch.no_grad():
         out = packed(**batch)
+    # Llama's last layer computes each sample's last token alone (not through FlexAttention's BlockMask, whose
+    # query rows cannot be cut); GPT-2's block is not built like LlamaDecoderLayer and runs whole
+    assert queries == ([ds.max_segments] if family == "llama" and backend != FLEX else [ROW])
+    with torch.no_grad():
         for r, s, _, i in _placements(ds):
             torch.testing.assert_close(out["logits"][r, s], _decoder_alone(reference, samples[i], device).logits[0],
                                        **tol)

@@ -1,0 +1,132 @@
+"""A decoder fine-tuned as a sequence classifier (a reward model, a Llama classifier): only the last token is read.
+
+transformers' LlamaForSequenceClassification scores each row's last token that is not padding, so its last
+decoder layer computes every other position for nothing but their keys and values. accel's
+compute.first_token_only (accel.compiler.first_token) makes that layer compute the read token alone; on samples
+of many lengths accel also packs them (dataloader.pack: each sample attends only to itself, its last token is
+read). The rows, measurement and loss check are bert_base.py's (its eager, eager-amp, peer and accel modes and
+accel:FIELD=VALUE variants, one process, same weights and seed); see its docstring. The default modes end with
+`accel:compute.first_token_only=false`, the A/B of the cut layer.
+
+Model: causal_lm.py's Llama config (hidden 512, 8 layers, 8 heads, 4 key/value heads, intermediate 1376; --quick:
+a tiny one) as LlamaForSequenceClassification, 2 labels, pad id 0, random weights, nothing downloaded.
+Data: seeded token ids (never the pad id) of causal_lm.py's instruction-like lengths (median 180), padded to the
+batch's longest on the right (input ids 0, mask 0), or, with --fixed BxL, every sample L tokens long (no padding);
+the label is the parity of the first token.
+
+    python benchmarks/decoder_classifier.py [--quick] [--fixed 8x256] [--modes eager,peer,accel] [--steps N]
+                                            [--batch B]
+
+Writes benchmarks/results/decoder_classifier_<device>[_fixed].json and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from accel.runtime.host_memory import keep_freed_memory  # noqa: E402
+from benchmarks import _report, bert_base, causal_lm  # noqa: E402
+
+MODES = ("eager", "eager-amp", "peer", "accel", "accel:compute.first_token_only=false")
+NUM_LABELS = 2
+PAD_ID = 0
+
+
+class Workload(bert_base.Workload):
+    """Samples padded to the batch's longest on the right: input ids PAD_ID, attention mask 0, one label a row."""
+
+    @property
+    def name(self) -> str:
+        return f"classify {self.batch}x{self.max_length}" if self.kind == "fixed" else \
+            f"classify {self.batch}x<={self.max_length}"
+
+    def loader(self) -> DataLoader:
+        return DataLoader(self.samples, batch_size=self.batch, shuffle=False, drop_last=True, collate_fn=pad_right)
+
+
+def pad_right(samples: list[dict]) -> dict:
+    longest = max(len(s["input_ids"]) for s in samples)
+    batch = {key: torch.full((len(samples), longest), PAD_ID, dtype=torch.long)
+             for key in ("input_ids", "attention_mask")}
+    for row, sample in enumerate(samples):
+        for key, padded in batch.items():
+            padded[row, :len(sample[key])] = sample[key]
+    batch["labels"] = torch.stack([s["labels"] for s in samples])
+    return batch
+
+
+def make_samples(lengths: list[int], vocab: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(PAD_ID + 1, vocab, (sum(lengths),), generator=g)
+    return [{"input_ids": s.clone(), "attention_mask": torch.ones_like(s), "labels": s[0] % NUM_LABELS}
+            for s in torch.split(ids, lengths)]
+
+
+def build_model(config: dict, seed: int):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    llama = LlamaConfig(**config, num_labels=NUM_LABELS, pad_token_id=PAD_ID, attn_implementation="sdpa")
+    return LlamaForSequenceClassification(llama).train()
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", type=bert_base.parse_modes, default=list(MODES), help=f"from {','.join(MODES)}")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per mode")
+    ap.add_argument("--warmup", type=int, default=3, help="steps before timing (compiles happen there)")
+    ap.add_argument("--batch", type=int, default=8, help="samples per padded batch")
+    ap.add_argument("--max-length", type=int, default=1024, help="longest sample and packed row length")
+    ap.add_argument("--fixed", type=bert_base.parse_sizes, help="BxL: batches of B samples of L tokens, no padding")
+    ap.add_argument("--lr", type=float, default=2e-5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", choices=("cuda", "cpu"), help="device of the eager and peer modes")
+    ap.add_argument("--quick", action="store_true", help="tiny Llama, batch 4, rows of 64, 2 steps")
+    ap.add_argument("--out", help="result file name without extension (default decoder_classifier_<cpu|cuda>)")
+    ap.add_argument("--results-dir", type=Path, default=_report.RESULTS)
+    args = ap.parse_args(argv)
+    if args.fixed and len(args.fixed) != 1:
+        ap.error("--fixed takes one BxL size")
+    if args.quick:
+        args.steps, args.warmup, args.batch, args.max_length = 2, 1, 4, 64
+    args.device = torch.device(args.device or bert_base.default_device())
+    args.out = args.out or f"decoder_classifier_{args.device.type}" + ("_fixed" if args.fixed else "")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    env = _report.environment(str(args.device))
+    env["keep_freed_memory"] = args.device.type == "cpu" and keep_freed_memory()  # as bert_base.py
+    config = causal_lm.model_config(args.quick)
+    samples_needed = args.warmup + args.steps
+    if args.fixed:
+        batch, length = args.fixed[0]
+        workload = Workload("fixed", batch, length, make_samples([length] * batch * samples_needed,
+                                                                 config["vocab_size"], args.seed))
+    else:
+        # Enough samples for accel's packed rows too (several samples a row), so that no mode sees a sample
+        # twice: this label is learnt by heart within a few steps of repeated samples, failing the loss check.
+        count = args.batch * samples_needed
+        while sum(lengths := causal_lm.instruction_lengths(count, args.max_length, args.seed)) < \
+                args.batch * samples_needed * args.max_length:
+            count *= 2
+        # One dynamic graph for every padded length, as causal_lm.py's peer (see there). torch 2.9's C++ code for
+        # this classifier's dynamic graph fails to compile (CppCompileError: 'tmp2' was not declared: an index
+        # bounds check emitted before its index), so the peer's CPU graphs leave those checks out.
+        workload = Workload("padded", args.batch, args.max_length,
+                            make_samples(lengths, config["vocab_size"], args.seed), peer_dynamic=True,
+                            peer_cpu_options={"assert_indirect_indexing": False})
+    print(f"LlamaForSequenceClassification {'quick (tiny)' if args.quick else 'config'} on {env['device']}: "
+          f"{workload.name}; modes {','.join(args.modes)}", flush=True)
+    ctx = bert_base.Context(build_model(config, args.seed), workload, args.device, args.lr)
+    return causal_lm.run_one_workload(ctx, args, env, config, f"Llama classifier {workload.name} on {env['device']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

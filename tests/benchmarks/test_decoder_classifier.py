@@ -1,0 +1,32 @@
+"""benchmarks/decoder_classifier.py: the --quick runs (padded samples packed by accel, and --fixed) write a row per
+mode, the first_token_only A/B among them, and pass the loss check."""
+import json
+
+import torch
+
+from benchmarks import decoder_classifier
+
+
+def _run(tmp_path, *extra) -> dict:
+    status = decoder_classifier.main(["--quick", "--device", "cpu", "--results-dir", str(tmp_path), "--out", "quick",
+                                      "--modes", "eager,peer,accel,accel:compute.first_token_only=false", *extra])
+    result = json.loads((tmp_path / "quick.json").read_text())
+    assert status == 0 and result["loss_check"]["verdict"] == "PASS"
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert all(r["status"] == "ok" for r in rows.values()) and len(rows) == 4
+    return rows
+
+
+def test_quick_padded_run_packs_for_accel_and_passes_the_loss_check(tmp_path):
+    rows = _run(tmp_path)
+    assert rows["accel"]["precision"].endswith("packed rows")
+    # the cut last layer changes no loss (the same packed batches, the same weights)
+    torch.testing.assert_close(rows["accel"]["losses"], rows["accel:compute.first_token_only=false"]["losses"],
+                               rtol=2e-2, atol=2e-2)
+    assert (tmp_path / "quick.png").exists()
+
+
+def test_quick_fixed_run_has_the_same_data_in_every_mode(tmp_path):
+    rows = _run(tmp_path, "--fixed", "2x32")
+    assert all(r["same_data"] for r in rows.values())
+    assert rows["accel"]["samples"] == 2 * 2 and rows["accel"]["tokens"] == 2 * 2 * 32  # 2 timed steps
