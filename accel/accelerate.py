@@ -162,17 +162,21 @@ def _onednn_products(library: str, backend: str) -> bool:
     return distributed.all_ranks_agree(onednn_wins())  # every rank probes; all compute alike
 
 
-def _plain_training_attention(model: nn.Module, choice: str, backend: str, dtype: torch.dtype | None) -> bool:
-    """Whether the model's bidirectional 16-bit training attention runs in plain ops (compute.cpu_attention; "auto":
-    where the probe found them faster on this CPU; accel.compiler.unpadded_attention). The probe runs only for a
-    model whose attention unpadded_attention switches."""
+def _plain_training_attention(model: nn.Module, choice: str, backend: str, dtype: torch.dtype | None
+                              ) -> tuple[bool, bool]:
+    """Whether the model's 16-bit training attention runs in plain ops (compute.cpu_attention; "auto": where the
+    probe found them faster on this CPU; accel.compiler.unpadded_attention): (bidirectional, causal). The probes run
+    only for a model whose attention unpadded_attention switches, one per kind of attention it has."""
     if backend != "cpu" or dtype not in (torch.bfloat16, torch.float16) or choice == "sdpa" or not switches(model):
-        return False
+        return False, False
     if choice == "plain":
-        return True
-    from accel.compiler.unpadded_attention import MIN_PLAIN_SPEEDUP, plain_attention_speedup
+        return True, True
+    from accel.compiler.unpadded_attention import MIN_PLAIN_SPEEDUP, causal_kinds, plain_attention_speedup
 
-    return distributed.all_ranks_agree(plain_attention_speedup(dtype) >= MIN_PLAIN_SPEEDUP)  # all compute alike
+    kinds = causal_kinds(model)
+    # all ranks compute alike
+    return tuple(distributed.all_ranks_agree(causal in kinds and plain_attention_speedup(dtype, causal=causal)
+                                             >= MIN_PLAIN_SPEEDUP) for causal in (False, True))
 
 
 def _retype(model: nn.Module, torch_class: type, subclass: type) -> None:
@@ -345,8 +349,8 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
 
         fuse_lm_loss(model)
     # Packed rows always have a mask; "accel_sdpa" still gives their attention the model's own dropout layer.
-    unpadded_attention(model, plain_training=_plain_training_attention(model, config.compute.cpu_attention, backend,
-                                                                       dtype))
+    plain_training, plain_causal = _plain_training_attention(model, config.compute.cpu_attention, backend, dtype)
+    unpadded_attention(model, plain_training=plain_training, plain_causal=plain_causal)
     if config.compute.fuse_qkv:
         from accel.compiler.fused_qkv import fuse_qkv
 

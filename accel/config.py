@@ -135,13 +135,16 @@ class ComputeConfig(_Section):
         BERT-base's fp32 products 1.7-2.4x as fast, and a compiled fp32 BERT-base 8x128 training step took
         1.36 s against 2.56 s. Timings near the margin may decide differently in two processes (rounding only):
         set "torch" for runs that must repeat bit for bit. bf16/fp16 products are oneDNN's already.
-    cpu_attention: how an encoder's bidirectional training attention (unmasked or padded) runs in bf16/fp16 on
-        the CPU (cpu backend, transformers encoders with "sdpa" attention: accel.compiler.unpadded_attention): "plain"
-        (matmul, softmax, matmul, which Inductor fuses around the products, as transformers' eager attention),
-        "sdpa" (torch's SDPA, its flash kernel) or "auto" (plain where a probe run once per process finds it at
-        least 1.25x faster than SDPA here, forward + backward). Models without attention dropout hit it (ViT,
-        a BERT fine-tuned with attention_probs_dropout_prob=0); causal and fp32 attention and calls without
-        gradients keep SDPA. Packed rows (dataloader.pack) compute each sample's attention alone on the
+    cpu_attention: how a training self-attention (unmasked or padded) runs in bf16/fp16 on the CPU (cpu backend,
+        transformers models with "sdpa" attention: accel.compiler.unpadded_attention): "plain" (matmul, softmax,
+        matmul, which Inductor fuses around the products, as transformers' eager attention), "sdpa" (torch's SDPA,
+        its flash kernel) or "auto" (plain where a probe run once per process, per kind of attention the model has,
+        finds it at least 1.25x faster than SDPA here, forward + backward). Bidirectional: models without attention
+        dropout hit it (ViT, a BERT fine-tuned with attention_probs_dropout_prob=0), up to 1024 tokens. Causal
+        (Llama-like decoders, grouped key/value heads too): up to 512 tokens, where SDPA's causal kernel stops
+        losing; under bf16 autocast a Llama's rotary embedding hands SDPA fp32 queries, which it computes in fp32,
+        while the plain ops' products run in bf16 (an 8-layer Llama classifier at 8x256: 1.22x). fp32 attention
+        and calls without gradients keep SDPA. Packed rows (dataloader.pack) compute each sample's attention alone on the
         CPU: where plain, the backward of samples under 384 tokens in plain products, causal or not
         (accel.runtime.nn.varlen_attention). torch's 16-bit CPU flash kernel is slow backwards without AMX: a 2-core
         AMD EPYC with AVX512-BF16 (Zen 5), 2026-11-27: [8, 12, 197, 64] bf16 forward + backward 7.8 ms plain

@@ -29,8 +29,11 @@ backwards on a CPU without AMX. A 2-core AMD EPYC with AVX512-BF16 (Zen 5), torc
 bf16 forward + backward: unmasked, plain ops compiled 2.8-5.7x SDPA's speed at L = 128-197, 1.5x at 577, 1.1x
 at 1024; with a padding mask 3.1x at 128, 1.8x at 256, 1.6x at 384, 1.5x at 512, 5.1x at 64 (forward alone
 0.9-1.0x, so calls without gradients keep SDPA; fp32 0.92-0.99x). `plain_attention_speedup` measures it on the
-machine at hand. Causal or grouped-query attention keeps SDPA (causal kernels skip half the products: plain ops
-0.55x at 1024 tokens).
+machine at hand. A decoder's causal attention (`plain_causal`, its own probe: SDPA's causal kernel skips the
+blocks above the diagonal) gains less: 1.78x at 256 tokens, 1.58x at 512, 0.98x at 1024 (8 query heads over 4
+key/value heads, repeated for the plain products), hence MAX_PLAIN_CAUSAL_LENGTH. Under bf16 autocast a Llama's
+attention gets fp32 queries (its rotary embedding's cos/sin are fp32) and SDPA, which autocast leaves alone,
+computes it in fp32; the plain ops' products are autocast to bf16 (transformers' eager attention does the same).
 Packed rows' per-sample attention takes plain products too, for the backward of short samples (varlen_attention's
 `plain`), causal or not: there a sample's products are what the flash kernel computes anyway.
 """
@@ -55,8 +58,13 @@ SEGMENTS_CAUSAL = "accel_segments_causal"
 # Set by unpadded_attention on a model's modules that hold its config or a sub-config (its attention modules among
 # them): whether their bidirectional 16-bit training attention on the CPU takes plain ops (see the module docstring).
 PLAIN_TRAINING = "_accel_plain_training"
+# The same for a causal (decoder's) training attention: a marker of its own, as its probe differs
+PLAIN_CAUSAL = "_accel_plain_causal"
 # Longer sequences keep SDPA: plain ops keep [B, H, L, L] probabilities for the backward.
 MAX_PLAIN_LENGTH = 1024
+# Causal: SDPA's flash kernel skips the blocks above the diagonal, so plain ops lead by less and stop leading
+# sooner (bf16 fwd+bwd, 8 heads of 64 over 4 key/value heads, compiled: 1.78x at 256, 1.58x at 512, 0.98x at 1024)
+MAX_PLAIN_CAUSAL_LENGTH = 512
 # plain_attention_speedup must find plain ops this much faster for compute.cpu_attention="auto" to take them.
 MIN_PLAIN_SPEEDUP = 1.25
 _PROBE_SHAPE = (4, 12, 256, 64)  # B, H, L, D: a BERT-base / ViT-base layer's attention, a few samples
@@ -102,13 +110,13 @@ def _plain_attention(query, key, value, attention_mask, scaling, dropout_layer: 
 
 
 @functools.cache
-def plain_attention_speedup(dtype: torch.dtype = torch.bfloat16) -> float:
-    """How many times faster plain ops train an unmasked bidirectional attention (forward + backward, [4, 12, 256,
-    64] in dtype, eager) than F.scaled_dot_product_attention on this CPU. Measured once per process and dtype
-    (~0.5 s). Eager plain ops are the slower kind (compiled, Inductor fuses the scaling, the softmax and its
-    casts), so where they win the compiled ones win by more: the 2-core Zen 5 above, bf16, with
-    memory.keep_freed_memory (accelerate()'s default on the CPU) 2.4-2.8 here in four processes (1.1-1.8
-    without it: page faults on the fresh [B, H, L, L] tensors) against 3.6x compiled."""
+def plain_attention_speedup(dtype: torch.dtype = torch.bfloat16, causal: bool = False) -> float:
+    """How many times faster plain ops train an unmasked bidirectional (or causal) attention (forward + backward,
+    [4, 12, 256, 64] in dtype, eager) than F.scaled_dot_product_attention on this CPU. Measured once per process,
+    dtype and kind (~0.5 s). Eager plain ops are the slower kind (compiled, Inductor fuses the scaling, the softmax
+    and its casts), so where they win the compiled ones win by more: the 2-core Zen 5 above, bf16, with
+    memory.keep_freed_memory (accelerate()'s default on the CPU) 2.2-2.8 here in five processes (1.1-1.8
+    without it: page faults on the fresh [B, H, L, L] tensors) against 3.6x compiled; causal 1.75-1.8 eager."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily(), torch.enable_grad():
@@ -120,23 +128,48 @@ def plain_attention_speedup(dtype: torch.dtype = torch.bfloat16) -> float:
         def train(attention):
             return lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), grad)
 
-        def plain(q, k, v):  # [B, L, H, D] -> SDPA's [B, H, L, D]
-            return _plain_attention(q, k, v, None, None, _NO_DROPOUT).transpose(1, 2)
+        mask = torch.ones(_PROBE_SHAPE[2], _PROBE_SHAPE[2], dtype=torch.bool).tril() if causal else None
 
-        sdpa = best_time(train(torch.nn.functional.scaled_dot_product_attention), repeats=5)
-        return sdpa / best_time(train(plain), repeats=5)
+        def plain(q, k, v):  # [B, L, H, D] -> SDPA's [B, H, L, D]
+            return _plain_attention(q, k, v, mask, None, _NO_DROPOUT).transpose(1, 2)
+
+        def sdpa(q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        return best_time(train(sdpa), repeats=5) / best_time(train(plain), repeats=5)
 
 
 def _plain_training(module: nn.Module, query, key, attention_mask, dropout: float, kwargs: dict) -> bool:
-    """Whether this call is a bidirectional 16-bit training attention on the CPU, unmasked or with a [B, 1|H, L, L]
-    tensor mask (padding, packed rows' document mask), that the module was told to compute in plain ops
-    (PLAIN_TRAINING)."""
-    return (getattr(module, PLAIN_TRAINING, False) and dropout == 0
+    """Whether this call is a 16-bit training self-attention on the CPU, unmasked or with a [B, 1|H, L, L] tensor
+    mask (padding, packed rows' document mask), that the module was told to compute in plain ops: bidirectional
+    (PLAIN_TRAINING) or, for a module whose attention is causal, causal (PLAIN_CAUSAL)."""
+    causal = getattr(module, "is_causal", False) is True
+    return (getattr(module, PLAIN_CAUSAL if causal else PLAIN_TRAINING, False) and dropout == 0
             and (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4))
-            and query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
-            and query.requires_grad and query.shape[2] == key.shape[2] <= MAX_PLAIN_LENGTH
-            and key.shape[1] == query.shape[1] and not getattr(module, "is_causal", False)
+            and query.device.type == "cpu" and _sixteen_bit(query) and query.requires_grad
+            and query.shape[2] == key.shape[2] <= (MAX_PLAIN_CAUSAL_LENGTH if causal else MAX_PLAIN_LENGTH)
+            and query.shape[1] % key.shape[1] == 0
             and all(not kwargs.get(name) for name in ("is_causal",) + _SDPA_ONLY_KWARGS))
+
+
+def _sixteen_bit(query: torch.Tensor) -> bool:
+    """Whether the attention's products run in 16 bits: 16-bit queries, or fp32 ones under a 16-bit CPU autocast
+    (a Llama's rotary embedding turns its bf16 projections back into fp32, and SDPA, which autocast leaves alone,
+    would then run in fp32, while plain ops' products are autocast to 16 bits)."""
+    sixteen = (torch.bfloat16, torch.float16)
+    return query.dtype in sixteen or (query.dtype == torch.float32 and torch.is_autocast_enabled("cpu")
+                                      and torch.get_autocast_dtype("cpu") in sixteen)
+
+
+def _plain_self_attention(module: nn.Module, query, key, value, attention_mask, scaling) -> torch.Tensor:
+    """_plain_attention for a call _plain_training accepted: grouped key/value heads repeated for their query heads
+    (transformers' repeat_kv), and a causal module's missing mask (SDPA's is_causal) made explicit."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    if attention_mask is None and getattr(module, "is_causal", False) is True:
+        attention_mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
+    return _plain_attention(query, key, value, attention_mask, scaling, _NO_DROPOUT)
 
 
 def _per_sample(module: nn.Module, query, key, segments, dropout: float, kwargs: dict) -> bool:
@@ -162,7 +195,7 @@ def _attention(sdpa_forward):
                                    plain=getattr(module, PLAIN_TRAINING, False))
             return out.transpose(1, 2).contiguous(), None
         if _plain_training(module, query, key, attention_mask, dropout, kwargs):
-            return _plain_attention(query, key, value, attention_mask, scaling, _NO_DROPOUT), None
+            return _plain_self_attention(module, query, key, value, attention_mask, scaling), None
         layer = _own_dropout(module, dropout) if dropout > 0 and module.training else None
         if (layer is None or key.shape[1] != query.shape[1] or getattr(module, "is_causal", False)
                 or any(kwargs.get(name) is not None for name in ("is_causal", "position_bias", "cache", "softcap"))):
@@ -197,7 +230,15 @@ def switches(model: nn.Module) -> bool:
                                             and not getattr(config, "is_encoder_decoder", False))
 
 
-def unpadded_attention(model: nn.Module, plain_training: bool = False) -> bool:
+def causal_kinds(model: nn.Module) -> set[bool]:
+    """Which kinds of self-attention the model's switched attention modules compute: False for bidirectional,
+    True for causal (their `is_causal`)."""
+    return {module.is_causal for module in model.modules()
+            if isinstance(getattr(module, "is_causal", None), bool)
+            and getattr(getattr(module, "config", None), "_attn_implementation", None) in (SDPA, ACCEL_SDPA)}
+
+
+def unpadded_attention(model: nn.Module, plain_training: bool = False, plain_causal: bool = False) -> bool:
     """Switch a transformers encoder with "sdpa" attention to ACCEL_SDPA (see the module docstring).
 
     Args:
@@ -205,6 +246,8 @@ def unpadded_attention(model: nn.Module, plain_training: bool = False) -> bool:
             a decoder nor an encoder-decoder changes.
         plain_training: its bidirectional bf16/fp16 training attention (unmasked or padded) on the CPU is computed
             in plain ops rather than by SDPA (where plain_attention_speedup found them faster; accelerate() decides).
+        plain_causal: the same for its causal attention (a Llama-like model: attention modules with is_causal),
+            up to MAX_PLAIN_CAUSAL_LENGTH tokens.
 
     Returns:
         Whether the model now uses ACCEL_SDPA (also True when it already did).
@@ -216,4 +259,5 @@ def unpadded_attention(model: nn.Module, plain_training: bool = False) -> bool:
     for module in model.modules():  # the modules an attention function is given hold the config they read
         if getattr(getattr(module, "config", None), "_attn_implementation", None) == ACCEL_SDPA:
             setattr(module, PLAIN_TRAINING, plain_training)
+            setattr(module, PLAIN_CAUSAL, plain_causal)
     return True

@@ -269,24 +269,34 @@ def test_plain_training_attention_only_in_16_bit_and_where_told(monkeypatch):
 def test_plain_training_attention_asks_each_call():
     from torch import nn
 
-    from accel.compiler.unpadded_attention import PLAIN_TRAINING, _plain_training
+    from accel.compiler.unpadded_attention import PLAIN_CAUSAL, PLAIN_TRAINING, _plain_training
 
     module = nn.Module()
     setattr(module, PLAIN_TRAINING, True)
     q = torch.randn(2, 4, 8, 16, dtype=torch.bfloat16, requires_grad=True)
     assert _plain_training(module, q, q, None, 0.0, {})
     assert _plain_training(module, q, q, torch.ones(2, 1, 8, 8, dtype=torch.bool), 0.0, {})  # a padding mask
+    assert _plain_training(module, q, q[:, :2], None, 0.0, {})  # grouped-query heads: repeated
+    assert not _plain_training(module, q, q[:, :3], None, 0.0, {})  # 4 query heads over 3 key heads
     assert not _plain_training(module, q, q, object(), 0.0, {})  # e.g. FlexAttention's BlockMask
     assert not _plain_training(module, q, q, torch.ones(2, 8, dtype=torch.bool), 0.0, {})  # not a [B, H, L, L] one
     assert not _plain_training(module, q, q, None, 0.1, {})  # dropout: SDPA's own path (or the module's layer)
-    assert not _plain_training(module, q, q[:, :2], None, 0.0, {})  # grouped-query heads
     assert not _plain_training(module, q, q, None, 0.0, {"is_causal": True})
+    assert not _plain_training(module, q, q[:, :, :4], None, 0.0, {})  # keys beyond the queries (a cache)
     assert not _plain_training(module, q.detach(), q, None, 0.0, {})  # no gradient: forward alone ties
     assert not _plain_training(module, q.float(), q, None, 0.0, {})
     long = torch.randn(1, 1, 1025, 8, dtype=torch.bfloat16, requires_grad=True)
     assert not _plain_training(module, long, long, None, 0.0, {})  # [B, H, L, L] kept for the backward
-    module.is_causal = True
+    module.is_causal = True  # a causal module follows its own marker
     assert not _plain_training(module, q, q, None, 0.0, {})
+    setattr(module, PLAIN_CAUSAL, True)
+    assert _plain_training(module, q, q, None, 0.0, {})
+    assert _plain_training(module, q, q[:, :2], None, 0.0, {"sliding_window": None})  # Qwen2's full layers
+    assert not _plain_training(module, q, q, None, 0.0, {"sliding_window": 4})
+    causal_long = torch.randn(1, 1, 513, 8, dtype=torch.bfloat16, requires_grad=True)
+    assert not _plain_training(module, causal_long, causal_long, None, 0.0, {})  # SDPA's causal kernel leads there
+    setattr(module, PLAIN_TRAINING, False)
+    assert _plain_training(module, q, q, None, 0.0, {})
     assert not _plain_training(nn.Module(), q, q, None, 0.0, {})  # not told to
 
 
@@ -329,12 +339,99 @@ def test_a_composite_models_towers_are_told_too(monkeypatch):
     assert calls == [torch.Size([2, 4, 7, 8])] * 2  # the text tower's two layers
 
 
-def test_probe_measures_a_speedup_once():
+def _llama(cls, **settings):
+    config = transformers.LlamaConfig(**{**dict(vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, intermediate_size=37,
+                                                max_position_embeddings=1100, num_labels=3, pad_token_id=0,
+                                                attn_implementation="sdpa"), **settings})
+    torch.manual_seed(0)
+    return cls(config).train()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("head", ["LlamaForCausalLM", "LlamaForSequenceClassification"])
+def test_causal_training_attention_in_plain_ops_matches_sdpa(monkeypatch, head, compiled, padded):
+    """A decoder (Llama: causal, grouped key/value heads) trained in bf16 with plain_causal: no SDPA call, the fp32
+    SDPA model's logits, loss and attention gradients to bf16's precision; without gradients SDPA again."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    cls = getattr(transformers, head)
+    model, reference = _llama(cls), _llama(cls)
+    assert unpadded_attention(model, plain_causal=True)
+    model.to(torch.bfloat16)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 99, (3, 9))
+    batch = {"input_ids": ids, "labels": ids if head.endswith("CausalLM") else torch.tensor([0, 2, 1])}
+    if padded:  # right padding: the mask holds causality and padding, no is_causal
+        ids[1:, 6:] = 0
+        batch["attention_mask"] = (ids != 0).long()
+    want = reference(**batch)
+    want.loss.backward()
+    calls = _sdpa_calls(monkeypatch)
+    run = torch.compile(model, dynamic=False) if compiled else model
+    got = run(**batch)
+    got.loss.backward()
+    assert calls == []
+    torch.testing.assert_close(got.logits.float(), want.logits, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(got.loss.float(), want.loss, rtol=3e-2, atol=3e-2)
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        if "self_attn" in name:
+            torch.testing.assert_close(a.grad.float(), b.grad, rtol=6e-2, atol=6e-2 * b.grad.abs().max().item(),
+                                       msg=name)
+    with torch.no_grad():
+        run(**batch)
+    assert len(calls) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_causal_plain_ops_under_autocast_take_the_fp32_queries_of_the_rotary_embedding(monkeypatch, compiled):
+    """fp32 weights under bf16 autocast (accelerate()'s way): Llama's rotary embedding hands the attention fp32
+    queries, which SDPA would compute in fp32; the plain ops run instead (their products autocast), the fp32
+    model's logits to bf16's precision."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model, reference = _llama(transformers.LlamaForCausalLM), _llama(transformers.LlamaForCausalLM)
+    assert unpadded_attention(model, plain_causal=True)
+    ids = torch.randint(3, 99, (3, 9))
+    want = reference(input_ids=ids, labels=ids)
+    calls = _sdpa_calls(monkeypatch)
+    run = torch.compile(model, dynamic=False) if compiled else model
+    with torch.autocast("cpu", torch.bfloat16):
+        got = run(input_ids=ids, labels=ids)
+    got.loss.backward()
+    assert calls == []
+    torch.testing.assert_close(got.logits.float(), want.logits, rtol=3e-2, atol=3e-2)
+    got = run(input_ids=ids, labels=ids)  # fp32 without autocast: SDPA
+    assert len(calls) == model.config.num_hidden_layers
+
+
+def test_causal_plain_ops_stop_at_their_length_and_follow_their_own_marker(monkeypatch):
+    """Rows longer than MAX_PLAIN_CAUSAL_LENGTH keep SDPA; plain_training alone (the bidirectional marker) leaves a
+    causal model's attention to SDPA."""
+    from accel.compiler.unpadded_attention import MAX_PLAIN_CAUSAL_LENGTH
+
+    model = _llama(transformers.LlamaForCausalLM)
+    assert unpadded_attention(model, plain_causal=True)
+    model.to(torch.bfloat16)
+    calls = _sdpa_calls(monkeypatch)
+    ids = torch.randint(3, 99, (1, MAX_PLAIN_CAUSAL_LENGTH + 1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert len(calls) == 2
+    assert unpadded_attention(model, plain_training=True, plain_causal=False)
+    model(input_ids=ids[:, :9], labels=ids[:, :9]).loss.backward()
+    assert len(calls) == 4
+
+
+def test_probe_measures_a_speedup_once_per_kind():
     from accel.compiler.unpadded_attention import plain_attention_speedup
 
-    speedup = plain_attention_speedup(torch.bfloat16)
-    assert 0 < speedup < float("inf")
-    assert plain_attention_speedup(torch.bfloat16) == speedup  # cached: once per process
+    for causal in (False, True):
+        speedup = plain_attention_speedup(torch.bfloat16, causal=causal)
+        assert 0 < speedup < float("inf")
+        assert plain_attention_speedup(torch.bfloat16, causal=causal) == speedup  # cached: once per process
 
 
 @pytest.mark.parametrize("choice, speedup, bf16, expected", [
@@ -345,16 +442,21 @@ def test_accelerate_follows_cpu_attention_and_the_probe(monkeypatch, choice, spe
     import accel
     import accel.compiler.unpadded_attention as ua
     import accel.utils.cpu as cpu
-    from accel.compiler.unpadded_attention import PLAIN_TRAINING
+    from accel.compiler.unpadded_attention import PLAIN_CAUSAL, PLAIN_TRAINING
 
-    monkeypatch.setattr(ua, "plain_attention_speedup", lambda dtype: speedup)
+    probed = []
+    monkeypatch.setattr(ua, "plain_attention_speedup", lambda dtype, causal: probed.append(causal) or speedup)
     monkeypatch.setattr(cpu, "native_bf16", lambda: True)  # bf16 autocast, whatever this CPU has
     config = accel.Config(backend="cpu")
     config.compute.bf16, config.compute.cpu_attention, config.compute.compile = bf16, choice, False
-    model, _ = _pair()
-    model = accel.accelerate(model, None, config)
-    attention = [m for m in model.modules() if type(m).__name__ == "BertSelfAttention"]
-    assert attention and all(getattr(m, PLAIN_TRAINING) == expected for m in attention)
+    for model, kind, attention_class in ((_pair()[0], PLAIN_TRAINING, "BertSelfAttention"),
+                                         (_llama(transformers.LlamaForCausalLM), PLAIN_CAUSAL, "LlamaAttention")):
+        probed.clear()
+        model = accel.accelerate(model, None, config)
+        attention = [m for m in model.modules() if type(m).__name__ == attention_class]
+        assert attention and all(getattr(m, kind) == expected for m in attention)
+        # one probe, of the model's kind of attention, where "auto" decides
+        assert probed == ([kind == PLAIN_CAUSAL] if choice == "auto" and bf16 else [])
 
 
 def test_accelerate_probes_only_for_a_model_it_switches(monkeypatch):
@@ -362,7 +464,7 @@ def test_accelerate_probes_only_for_a_model_it_switches(monkeypatch):
     import accel.compiler.unpadded_attention as ua
     import accel.utils.cpu as cpu
 
-    def probe(dtype):
+    def probe(dtype, causal=False):
         raise AssertionError("probed for a model without an attention to switch")
 
     monkeypatch.setattr(ua, "plain_attention_speedup", probe)
@@ -381,7 +483,7 @@ def test_auto_takes_plain_ops_only_where_every_rank_found_them_faster(monkeypatc
     from accel import distributed
     from accel.compiler.unpadded_attention import PLAIN_TRAINING
 
-    monkeypatch.setattr(ua, "plain_attention_speedup", lambda dtype: 9.0)
+    monkeypatch.setattr(ua, "plain_attention_speedup", lambda dtype, causal=False: 9.0)
     monkeypatch.setattr(cpu, "native_bf16", lambda: True)
     monkeypatch.setattr(distributed, "all_ranks_agree", lambda flag: False)  # another rank's probe lost
     config = accel.Config(backend="cpu")
