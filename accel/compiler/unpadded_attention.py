@@ -32,8 +32,8 @@ at 1024; with a padding mask 3.1x at 128, 1.8x at 256, 1.6x at 384, 1.5x at 512,
 machine at hand. A decoder's causal attention (`plain_causal`, its own probe: SDPA's causal kernel skips the
 blocks above the diagonal) gains less: 1.78x at 256 tokens, 1.58x at 512, 0.98x at 1024 (8 query heads over 4
 key/value heads, repeated for the plain products), hence MAX_PLAIN_CAUSAL_LENGTH. Under bf16 autocast a Llama's
-attention gets fp32 queries (its rotary embedding's cos/sin are fp32) and SDPA, which autocast leaves alone,
-computes it in fp32; the plain ops' products are autocast to bf16 (transformers' eager attention does the same).
+attention gets fp32 queries (its rotary embedding's cos/sin are fp32), which autocast casts to bf16 for SDPA and for
+the plain ops' products alike: such a call counts as 16-bit.
 Packed rows' per-sample attention takes plain products too, for the backward of short samples (varlen_attention's
 `plain`), causal or not: there a sample's products are what the flash kernel computes anyway.
 """
@@ -153,9 +153,9 @@ def _plain_training(module: nn.Module, query, key, attention_mask, dropout: floa
 
 
 def _sixteen_bit(query: torch.Tensor) -> bool:
-    """Whether the attention's products run in 16 bits: 16-bit queries, or fp32 ones under a 16-bit CPU autocast
-    (a Llama's rotary embedding turns its bf16 projections back into fp32, and SDPA, which autocast leaves alone,
-    would then run in fp32, while plain ops' products are autocast to 16 bits)."""
+    """Whether the attention's products run in 16 bits: 16-bit queries, or fp32 ones under a 16-bit CPU autocast (a
+    Llama's rotary embedding turns its bf16 projections back into fp32; autocast casts them for SDPA, whose 16-bit
+    flash kernel is the slow one, as for the plain ops' products)."""
     sixteen = (torch.bfloat16, torch.float16)
     return query.dtype in sixteen or (query.dtype == torch.float32 and torch.is_autocast_enabled("cpu")
                                       and torch.get_autocast_dtype("cpu") in sixteen)

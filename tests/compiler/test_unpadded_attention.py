@@ -388,8 +388,8 @@ def test_causal_training_attention_in_plain_ops_matches_sdpa(monkeypatch, head, 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_causal_plain_ops_under_autocast_take_the_fp32_queries_of_the_rotary_embedding(monkeypatch, compiled):
     """fp32 weights under bf16 autocast (accelerate()'s way): Llama's rotary embedding hands the attention fp32
-    queries, which SDPA would compute in fp32; the plain ops run instead (their products autocast), the fp32
-    model's logits to bf16's precision."""
+    queries, which autocast casts to bf16 for SDPA; the plain ops run instead (their products autocast alike), the
+    fp32 model's logits to bf16's precision."""
     import torch._dynamo
 
     torch._dynamo.reset()
