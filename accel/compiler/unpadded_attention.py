@@ -30,7 +30,7 @@ bf16 forward + backward: unmasked, plain ops compiled 2.8-5.7x SDPA's speed at L
 at 1024; with a padding mask 3.1x at 128, 1.8x at 256, 1.6x at 384, 1.5x at 512, 5.1x at 64 (forward alone
 0.9-1.0x, so calls without gradients keep SDPA; fp32 0.92-0.99x). `plain_attention_speedup` measures it on the
 machine at hand. A decoder's causal attention (`plain_causal`, its own probe: SDPA's causal kernel skips the
-blocks above the diagonal) gains less: 1.78x at 256 tokens, 1.58x at 512, 0.98x at 1024 (8 query heads over 4
+blocks above the diagonal) gains less: 1.86x at 256 tokens, 1.60x at 512, 0.92x at 1024 (8 query heads over 4
 key/value heads, repeated for the plain products), hence MAX_PLAIN_CAUSAL_LENGTH. Under bf16 autocast a Llama's
 attention gets fp32 queries (its rotary embedding's cos/sin are fp32), which autocast casts to bf16 for SDPA and for
 the plain ops' products alike: such a call counts as 16-bit.
@@ -63,7 +63,8 @@ PLAIN_CAUSAL = "_accel_plain_causal"
 # Longer sequences keep SDPA: plain ops keep [B, H, L, L] probabilities for the backward.
 MAX_PLAIN_LENGTH = 1024
 # Causal: SDPA's flash kernel skips the blocks above the diagonal, so plain ops lead by less and stop leading
-# sooner (bf16 fwd+bwd, 8 heads of 64 over 4 key/value heads, compiled: 1.78x at 256, 1.58x at 512, 0.98x at 1024)
+# sooner (bf16 fwd+bwd, 8 heads of 64 over 4 key/value heads, compiled: 1.86x at 256, 1.60x at 512, 0.92x at 1024;
+# benchmarks/results/kernels_cpu_avx512_cpu_attention.json)
 MAX_PLAIN_CAUSAL_LENGTH = 512
 # plain_attention_speedup must find plain ops this much faster for compute.cpu_attention="auto" to take them.
 MIN_PLAIN_SPEEDUP = 1.25
