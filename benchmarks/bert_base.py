@@ -107,12 +107,15 @@ the comparison that matters; the table and the JSON list the rows by workload an
 
     python benchmarks/bert_base.py [--workload fixed|guide|both] [--modes eager,peer,accel]
         [--steps N] [--warmup N] [--batch B] [--seq S] [--fixed-sizes 32x128,64x512] [--max-length 512]
-        [--budget-s S] [--quick] [--out NAME] [--results-dir DIR]
+        [--budget-s S] [--quick] [--model bert|distilbert] [--out NAME] [--results-dir DIR]
+
+--model distilbert trains DistilBERT-base (6 layers, transformers' DistilBertForSequenceClassification, random
+weights) on the same data instead (the fixed workload: accel's packed rows do not take its head).
 
 On the CPU every row runs with glibc keeping freed memory (accel.runtime.host_memory, which accelerate()
 sets there for the whole process): the rows share a process, so the setting could not be accel's alone.
 
-Writes <results-dir>/<out>.json and .png (default benchmarks/results/bert_base_<cpu|cuda>.*); the JSON is
+Writes <results-dir>/<out>.json and .png (default benchmarks/results/<model>_base_<cpu|cuda>.*); the JSON is
 rewritten after every row, so a run cut short keeps what it measured.
 """
 from __future__ import annotations
@@ -151,6 +154,11 @@ BERT_BASE_CASED = dict(vocab_size=28996, hidden_size=768, num_hidden_layers=12, 
                        intermediate_size=3072, max_position_embeddings=512, type_vocab_size=2, num_labels=2)
 QUICK_BERT = dict(BERT_BASE_CASED, vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                   intermediate_size=128)
+# --model distilbert: DistilBERT-base (uncased vocabulary), 6 layers; its config's own names
+DISTILBERT_BASE = dict(vocab_size=30522, dim=768, n_layers=6, n_heads=12, hidden_dim=3072, max_position_embeddings=512,
+                       num_labels=2)
+QUICK_DISTILBERT = dict(DISTILBERT_BASE, vocab_size=1000, dim=64, n_layers=2, n_heads=2, hidden_dim=128)
+MODELS = ("bert", "distilbert")
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16/fp16 tensor-core peak (SXM)
 FIRST_LOSS_TOL = 2e-2
 DROPOUT_SIGMAS = 5  # first-loss tolerance in standard deviations of the dropout noise
@@ -263,17 +271,27 @@ def to_device(batch: dict, device: torch.device) -> dict:
 # ----------------------------------------------------------------------------------------- the model
 
 
-def bert_config(quick: bool):
-    from transformers import BertConfig
+def model_settings(quick: bool, model: str = "bert") -> dict:
+    if model == "distilbert":
+        return QUICK_DISTILBERT if quick else DISTILBERT_BASE
+    return QUICK_BERT if quick else BERT_BASE_CASED
 
-    return BertConfig(**(QUICK_BERT if quick else BERT_BASE_CASED))
+
+def bert_config(quick: bool, model: str = "bert"):
+    import transformers
+
+    config_class = transformers.DistilBertConfig if model == "distilbert" else transformers.BertConfig
+    return config_class(**model_settings(quick, model))
 
 
 def build_model(config, seed: int):
-    from transformers import BertForSequenceClassification
+    """BertForSequenceClassification (or DistilBERT's, for its config) with seeded random weights."""
+    import transformers
 
     torch.manual_seed(seed)
-    return BertForSequenceClassification(config).train()
+    model_class = transformers.DistilBertForSequenceClassification if isinstance(
+        config, transformers.DistilBertConfig) else transformers.BertForSequenceClassification
+    return model_class(config).train()
 
 
 def matmul_params(model) -> int:
@@ -993,7 +1011,9 @@ def parse_args(argv=None):
     ap.add_argument("--device", choices=("cuda", "cpu"), help="device of the eager/peer/kernels modes")
     ap.add_argument("--budget-s", type=float, help="skip the rows that would start after this many seconds")
     ap.add_argument("--quick", action="store_true", help="tiny BERT, batch 4, seq 32, 2 steps (the test suite's)")
-    ap.add_argument("--out", help="result file name without extension (default bert_base_<cpu|cuda>)")
+    ap.add_argument("--model", choices=MODELS, default="bert",
+                    help="bert (BERT-base, cased) or distilbert (DistilBERT-base: 6 layers, no token types)")
+    ap.add_argument("--out", help="result file name without extension (default <model>_base_<cpu|cuda>)")
     ap.add_argument("--results-dir", type=Path, default=_report.RESULTS)
     args = ap.parse_args(argv)
     apply_defaults(args)
@@ -1014,7 +1034,7 @@ def apply_defaults(args) -> None:
             args.fixed_sizes = defaults.fixed_sizes
         else:
             args.fixed_sizes = ((args.batch or defaults.fixed_sizes[0][0], args.seq or defaults.fixed_sizes[0][1]),)
-    args.out = args.out or f"bert_base_{args.device.type}"
+    args.out = args.out or f"{args.model}_base_{args.device.type}"
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
 
@@ -1087,7 +1107,8 @@ class Results:
 
     def __init__(self, args, env: dict, config):
         self.args = args
-        self.payload = {**env, "args": vars(args), "model": {k: getattr(config, k) for k in BERT_BASE_CASED},
+        self.payload = {**env, "args": vars(args),
+                        "model": {k: getattr(config, k) for k in model_settings(args.quick, args.model)},
                         "rows": [], "loss_check": None}
 
     @property
@@ -1137,9 +1158,10 @@ def main(argv=None) -> int:
     # one process, so every row gets it from the start and they compare the rest (its own gain:
     # benchmarks/host_memory.py)
     env["keep_freed_memory"] = torch.device(args.device).type == "cpu" and keep_freed_memory()
-    config = bert_config(args.quick)
+    config = bert_config(args.quick, args.model)
     workloads = build_workloads(args, config.vocab_size)
-    print(f"BERT {'quick (tiny)' if args.quick else 'base (cased config)'} on {env['device']}: "
+    name = "DistilBERT" if args.model == "distilbert" else "BERT"
+    print(f"{name} {'quick (tiny)' if args.quick else 'base (cased config)'} on {env['device']}: "
           f"{', '.join(w.name for w in workloads)}; modes {','.join(args.modes)}; "
           f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
     results = Results(args, env, config)

@@ -1,7 +1,8 @@
 """Classifiers that read one token: the encoder's last layer computes only that token.
 
 A BERT-family classifier reads a single position of its encoder's output: BertForSequenceClassification's
-pooler and RoBERTa's or ELECTRA's classification head take hidden_states[:, 0], as ViT's and DeiT's image
+pooler and RoBERTa's, ELECTRA's or DistilBERT's classification head take hidden_states[:, 0] (DistilBERT: 6
+layers, so its last is 1/6 of the encoder), as ViT's and DeiT's image
 classifiers take the [CLS] token (their layers pre-norm: the LayerNorm before the attention runs on every position,
 for the keys and values). The last layer's other positions
 (their queries, attention, output projection, feed-forward and LayerNorms) are computed and then dropped: in
@@ -48,6 +49,7 @@ IMAGE_HEADS = frozenset({"ViTForImageClassification", "DeiTForImageClassificatio
 FIRST_TOKEN_HEADS = frozenset({
     "BertForSequenceClassification", "BertForMultipleChoice", "BertForNextSentencePrediction",
     "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification", "ElectraForSequenceClassification",
+    "DistilBertForSequenceClassification", "DistilBertForMultipleChoice",
 }) | IMAGE_HEADS
 # Decoder classifiers that score the last token that is not padding, over layers built as LlamaDecoderLayer; the
 # model types are named because the layer's attributes do not show what its attention does (Olmo's clips q, k, v).
@@ -71,8 +73,10 @@ class _LastLayerForward(InstanceForward):
 
     def __init__(self, layer: nn.Module):
         super().__init__(layer)
-        # "bert", "pre_norm" (a ViTLayer) or "decoder" (a LlamaDecoderLayer); last_layer_rows checked it is one
-        self.kind = "bert" if _bert_layer(layer) else "pre_norm" if _pre_norm_layer(layer) else "decoder"
+        # "bert", "pre_norm" (a ViTLayer), "post_norm" (DistilBERT's TransformerBlock) or "decoder" (a
+        # LlamaDecoderLayer); last_layer_rows checked it is one
+        self.kind = ("bert" if _bert_layer(layer) else "pre_norm" if _pre_norm_layer(layer)
+                     else "post_norm" if _post_norm_layer(layer) else "decoder")
         self.active = False
         self.rows: torch.Tensor | None = None
         self.spread = False
@@ -135,12 +139,13 @@ class _LastLayerForward(InstanceForward):
         """The module that calls the attention function (BertSelfAttention; ViTAttention; LlamaAttention)."""
         if self.kind == "decoder":
             return self.module.self_attn
-        return self.module.attention if self.kind == "pre_norm" else self.module.attention.self
+        return self.module.attention.self if self.kind == "bert" else self.module.attention
 
     def first_token(self, hidden_states: torch.Tensor, attention_mask, rows: torch.Tensor | None = None,
                     **kwargs) -> torch.Tensor:
-        """The layer's forward (BertLayer's, or a pre-norm layer's as ViTLayer) for the queries at position 0
-        ([B, S, H] -> [B, 1, H]) or, given rows [B, R], at those positions ([B, S, H] -> [B, R, H])."""
+        """The layer's forward (BertLayer's, a pre-norm layer's as ViTLayer, or DistilBERT's post-norm block) for the
+        queries at position 0 ([B, S, H] -> [B, 1, H]) or, given rows [B, R], at those positions ([B, S, H] ->
+        [B, R, H])."""
         from accel.compiler.fused_qkv import fused_projections, runs_fused  # it imports this module
 
         layer, attn = self.module, self.attention
@@ -151,7 +156,8 @@ class _LastLayerForward(InstanceForward):
             inputs, names, head = normed, ("q_proj", "k_proj", "v_proj"), attn.head_dim
             queries_in = normed[:, :1] if rows is None else _take_rows(normed, rows)
         else:
-            inputs, names, head, queries_in = hidden_states, ("query", "key", "value"), attn.attention_head_size, picked
+            names = ("query", "key", "value") if self.kind == "bert" else ("q_lin", "k_lin", "v_lin")
+            inputs, head, queries_in = hidden_states, attn.attention_head_size, picked
         query = getattr(attn, names[0])(queries_in).view(batch, picked.shape[1], -1, head).transpose(1, 2)
         if runs_fused(attn):
             key, value = fused_projections(attn, inputs, names[1:])
@@ -164,6 +170,9 @@ class _LastLayerForward(InstanceForward):
         context = context.reshape(batch, picked.shape[1], -1).contiguous()
         if self.kind == "bert":
             return layer.feed_forward_chunk(layer.attention.output(context, picked))
+        if self.kind == "post_norm":  # DistilBERT's TransformerBlock.forward from here
+            hidden = layer.sa_layer_norm(attn.out_lin(context) + picked)
+            return layer.output_layer_norm(layer.ffn(hidden) + hidden)
         # ViTLayer.forward from here: dropout and residual after the attention and after the MLP
         hidden = layer.dropout(attn.o_proj(context)) + picked
         return layer.dropout(layer.mlp(layer.layernorm_after(hidden))) + hidden
@@ -314,6 +323,18 @@ def _pre_norm_layer(layer: nn.Module) -> bool:
             and not getattr(attn, "is_causal", False) and _eager_attention(attn) is not None)
 
 
+def _post_norm_layer(layer: nn.Module) -> bool:
+    """Whether `layer` is built like DistilBERT's TransformerBlock of transformers 5: attention (q_lin, k_lin, v_lin,
+    out_lin, bidirectional), sa_layer_norm, ffn and output_layer_norm, and nothing else."""
+    attn = getattr(layer, "attention", None)
+    return ({name for name, _ in layer.named_children()} == {"attention", "sa_layer_norm", "ffn", "output_layer_norm"}
+            and all(isinstance(getattr(layer, n), nn.LayerNorm) for n in ("sa_layer_norm", "output_layer_norm"))
+            and all(isinstance(getattr(attn, n, None), nn.Linear) for n in ("q_lin", "k_lin", "v_lin", "out_lin"))
+            and isinstance(getattr(attn, "dropout", None), nn.Dropout)
+            and all(hasattr(attn, n) for n in ("attention_head_size", "scaling", "config"))
+            and not getattr(attn, "is_causal", False) and _eager_attention(attn) is not None)
+
+
 def _decoder_layer(layer: nn.Module) -> bool:
     """Whether `layer` is built like LlamaDecoderLayer: input_layernorm, self_attn (q/k/v/o projections, per-head
     q_norm/k_norm optional, causal, rotary positions from its model file), post_attention_layernorm and mlp, and
@@ -331,9 +352,12 @@ def _decoder_layer(layer: nn.Module) -> bool:
 
 
 def _encoder_layers(model: nn.Module) -> nn.ModuleList | None:
-    """The model's layers: base_model.encoder.layer (BERT) or base_model.layers (ViT in transformers 5, Llama)."""
+    """The model's layers: base_model.encoder.layer (BERT), base_model.transformer.layer (DistilBERT) or
+    base_model.layers (ViT in transformers 5, Llama)."""
     base = getattr(model, "base_model", None)
     layers = getattr(getattr(base, "encoder", None), "layer", None)
+    if layers is None:
+        layers = getattr(getattr(base, "transformer", None), "layer", None)
     if layers is None:
         layers = getattr(base, "layers", None)
     return layers if isinstance(layers, nn.ModuleList) and len(layers) > 0 else None
@@ -341,7 +365,7 @@ def _encoder_layers(model: nn.Module) -> nn.ModuleList | None:
 
 def last_layer_rows(model: nn.Module) -> _LastLayerForward | None:
     """The last layer's selecting forward (installed, idle until asked), or None where that layer is not built like
-    BertLayer or ViTLayer, or like LlamaDecoderLayer in a model of DECODER_TYPES. Set `.rows` to [B, R] positions
+    BertLayer, ViTLayer or DistilBERT's TransformerBlock, or like LlamaDecoderLayer in a model of DECODER_TYPES. Set `.rows` to [B, R] positions
     around a call of the base model and the layer returns those rows alone, [B, R, H]; set it back to None after
     the call (PackedModel does both)."""
     config = getattr(model, "config", None)
@@ -351,7 +375,7 @@ def last_layer_rows(model: nn.Module) -> _LastLayerForward | None:
     if layers is None:
         return None
     layer = layers[-1]
-    if not (_bert_layer(layer) or _pre_norm_layer(layer)
+    if not (_bert_layer(layer) or _pre_norm_layer(layer) or _post_norm_layer(layer)
             or (getattr(config, "model_type", None) in DECODER_TYPES and _decoder_layer(layer))):
         return None
     forward = layer.__dict__.get("forward")

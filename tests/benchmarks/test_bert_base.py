@@ -65,6 +65,16 @@ def test_quick_other_modes(tmp_path, mode):
     _assert_rows(result, ["fixed 4x32"], ["eager", mode])
 
 
+def test_distilbert_model_runs_the_same_rows(tmp_path):
+    """--model distilbert: DistilBERT's config and classifier, the same rows and loss check."""
+    status, result = _run(tmp_path, "--model", "distilbert", "--workload", "fixed", "--modes", "eager,accel")
+    assert status == 0
+    _assert_rows(result, ["fixed 4x32"], ["eager", "accel"])
+    assert result["model"]["n_layers"] == bert_base.QUICK_DISTILBERT["n_layers"]
+    assert type(bert_base.build_model(bert_base.bert_config(True, "distilbert"), 0)).__name__ == \
+        "DistilBertForSequenceClassification"
+
+
 @pytest.mark.slow
 def test_accel_model_only_takes_the_batches_itself_and_trains_as_accel(tmp_path):
     # the A/B of accelerate()'s loader: the same steps on the same batches, so the same losses

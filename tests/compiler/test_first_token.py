@@ -20,9 +20,14 @@ def _model(name: str, attention: str = "sdpa", layers: int = 2):
     torch.manual_seed(0)
     config_class = getattr(transformers, name.split("For")[0] + "Config")
     # dropout 0: the first-token layer draws attention dropout for one query, the full layer for all of them
-    config = config_class(vocab_size=99, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                          intermediate_size=37, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                          max_position_embeddings=64, num_labels=3, embedding_size=32)
+    if name.startswith("DistilBert"):  # its own names
+        config = config_class(vocab_size=99, dim=32, n_layers=layers, n_heads=4, hidden_dim=37, dropout=0.0,
+                              attention_dropout=0.0, seq_classif_dropout=0.0, max_position_embeddings=64,
+                              num_labels=3)
+    else:
+        config = config_class(vocab_size=99, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                              intermediate_size=37, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                              max_position_embeddings=64, num_labels=3, embedding_size=32)
     config._attn_implementation = attention
     return getattr(transformers, name)(config)
 
@@ -41,8 +46,10 @@ def _batch(name: str, padded: bool = True):
 def _query_lengths(model) -> list[int]:
     """Records how many positions the last layer's query projection sees per call."""
     seen = []
-    model.base_model.encoder.layer[-1].attention.self.query.register_forward_hook(
-        lambda module, args, out: seen.append(args[0].shape[-2]))
+    base = model.base_model
+    query = base.transformer.layer[-1].attention.q_lin if hasattr(base, "transformer") \
+        else base.encoder.layer[-1].attention.self.query
+    query.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[-2]))
     return seen
 
 
