@@ -110,7 +110,7 @@ the comparison that matters; the table and the JSON list the rows by workload an
         [--budget-s S] [--quick] [--model bert|distilbert] [--out NAME] [--results-dir DIR]
 
 --model distilbert trains DistilBERT-base (6 layers, transformers' DistilBertForSequenceClassification, random
-weights) on the same data instead (the fixed workload: accel's packed rows do not take its head).
+weights) on the same data instead.
 
 On the CPU every row runs with glibc keeping freed memory (accel.runtime.host_memory, which accelerate()
 sets there for the whole process): the rows share a process, so the setting could not be accel's alone.

@@ -135,6 +135,14 @@ def _pools_first_token(pooler: nn.Module, hidden_size: int) -> bool:
             and torch.allclose(full, first, rtol=1e-4, atol=1e-5))
 
 
+def _distilbert_head(model: nn.Module) -> bool:
+    """Whether the sequence classifier's head is DistilBERT's: no pooler, pre_classifier -> ReLU -> dropout ->
+    classifier over the first token."""
+    return (getattr(model.base_model, "pooler", None) is None and type(model).__name__.startswith("DistilBert")
+            and all(isinstance(getattr(model, n, None), nn.Linear) for n in ("pre_classifier", "classifier"))
+            and isinstance(getattr(model, "dropout", None), nn.Dropout))
+
+
 def _move_keys(mapping: dict, old_prefix: str, new_prefix: str) -> None:
     """Renames keys old_prefix + rest to new_prefix + rest in place, keeping their order."""
     # Pop all first, then insert: a renamed key may equal a key not yet renamed (a wrapped model with a
@@ -162,7 +170,8 @@ class PackedModel(nn.Module):
 
     Supported: encoder models whose class name ends in ForMaskedLM or ForTokenClassification (the model's own
     per-token loss is used), or ForSequenceClassification with a BERT-style head (`model.base_model.pooler`
-    pooling the first token, then `model.dropout` and `model.classifier`), single-label classification only;
+    pooling the first token, then `model.dropout` and `model.classifier`) or DistilBERT's (the first token through
+    `model.pre_classifier`, a ReLU, `model.dropout` and `model.classifier`), single-label classification only;
     causal language models whose class name ends in ForCausalLM or LMHeadModel (the model's own loss on its
     shifted labels, each sample's first label ignored), and a decoder's ForSequenceClassification (a `score`
     layer over each sample's last token, as GPT-2's, Llama's or Mistral's; single-label); attention
@@ -240,12 +249,13 @@ class PackedModel(nn.Module):
             raise ValueError(f"model {name} is set up for {problem or 'regression'} (num_labels="
                              f"{config.num_labels}); PackedModel supports single-label classification only, as "
                              "packed rows carry one class id per sample")
-        if head == "last_token":
+        if head == "last_token" or _distilbert_head(model):
             return
         pooler = getattr(model.base_model, "pooler", None)
         if not isinstance(pooler, nn.Module):
             raise ValueError(f"model {name} has no pooler on its base model; PackedModel's sequence "
-                             "classification needs a BERT-style pooler (model.base_model.pooler)")
+                             "classification needs a BERT-style pooler (model.base_model.pooler) or DistilBERT's "
+                             "head (pre_classifier -> ReLU -> dropout -> classifier)")
         for part in ("dropout", "classifier"):
             if not isinstance(getattr(model, part, None), nn.Module):
                 raise ValueError(f"model {name} has no .{part}; PackedModel's sequence classification needs "
@@ -381,6 +391,8 @@ class PackedModel(nn.Module):
             1, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, S, H]
         if self.head == "last_token":
             logits = self.model.score(read)
+        elif _distilbert_head(self.model):  # DistilBertForSequenceClassification's head, on each sample's first token
+            logits = self.model.classifier(self.model.dropout(F.relu(self.model.pre_classifier(read))))
         else:
             # The pooler takes token 0 of each [1, H] "sequence": one pooled vector per sample.
             pooled = base.pooler(read.reshape(batch * segments, 1, hidden.shape[-1]))

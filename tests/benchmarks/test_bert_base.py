@@ -67,9 +67,10 @@ def test_quick_other_modes(tmp_path, mode):
 
 def test_distilbert_model_runs_the_same_rows(tmp_path):
     """--model distilbert: DistilBERT's config and classifier, the same rows and loss check."""
-    status, result = _run(tmp_path, "--model", "distilbert", "--workload", "fixed", "--modes", "eager,accel")
+    status, result = _run(tmp_path, "--model", "distilbert", "--workload", "both", "--modes", "eager,accel")
     assert status == 0
-    _assert_rows(result, ["fixed 4x32"], ["eager", "accel"])
+    rows = _assert_rows(result, ["fixed 4x32", "guide 4x<=64"], ["eager", "accel"])
+    assert rows[("guide 4x<=64", "accel")]["status"] == "ok"  # packed rows: PackedModel takes DistilBERT's head
     assert result["model"]["n_layers"] == bert_base.QUICK_DISTILBERT["n_layers"]
     assert type(bert_base.build_model(bert_base.bert_config(True, "distilbert"), 0)).__name__ == \
         "DistilBertForSequenceClassification"

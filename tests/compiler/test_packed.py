@@ -669,3 +669,35 @@ def test_accel_sdpa_computes_each_packed_sample_alone_on_the_cpu(monkeypatch, fa
     want.loss.backward()
     assert backwards == []
     _assert_same_grads(packed, masked.model, "cpu")
+
+
+# DistilBERT's classifier: no pooler; pre_classifier, ReLU, dropout and classifier over the first token.
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_packed_distilbert_classifier_matches_each_sample_alone(backend):
+    def distilbert(attn_implementation):
+        torch.manual_seed(0)
+        return transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(
+            vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=32,
+            num_labels=NUM_LABELS, dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0,
+            attn_implementation=attn_implementation)).train()
+
+    model, reference = distilbert(backend), distilbert("eager")
+    packed = PackedModel(model)
+    samples = [{k: v for k, v in s.items() if k != "token_type_ids"} for s in _samples("sequence", seed=3)]
+    ds, batch = _packed(samples, "cpu")
+    queries = []
+    model.distilbert.transformer.layer[-1].attention.q_lin.register_forward_hook(
+        lambda module, args, out: queries.append(args[0].shape[-2]))
+    out = packed(**batch)
+    out["loss"].backward()
+    assert queries == [ds.max_segments]  # the last layer computes each sample's first token alone
+    expected = 0
+    for r, s, _, i in _placements(ds):
+        alone = reference(input_ids=torch.tensor([samples[i]["input_ids"]]),
+                          labels=torch.tensor([samples[i]["labels"]]))
+        torch.testing.assert_close(out["logits"][r, s], alone.logits[0], **_tolerance("cpu"))
+        expected = expected + alone.loss / len(samples)
+    expected.backward()
+    torch.testing.assert_close(out["loss"], expected, **_tolerance("cpu"))
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
