@@ -58,7 +58,7 @@ LAST_TOKEN_HEADS = frozenset({"LlamaForSequenceClassification", "MistralForSeque
 DECODER_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # Attention implementations whose mask is None or a tensor with a query dimension that can be cut.
 _ATTENTION = (SDPA, ACCEL_SDPA, "eager")
-_CACHE_KWARGS = ("cache", "past_key_values")  # the key/value cache's keyword: transformers 5.24's name, earlier
+_CACHE_KWARGS = ("cache", "past_key_values")  # the key/value cache's keyword in transformers >= 5.24, and before
 
 
 class _LastLayerForward(InstanceForward):
