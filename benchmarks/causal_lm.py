@@ -11,10 +11,11 @@ dynamic=True: one graph for every padded length.
 Model: transformers' LlamaForCausalLM from a config (hidden 512, 8 layers, 8 heads, 4 key/value heads,
 intermediate 1376, vocabulary 32000 or --vocab; --quick: a tiny one), random weights, nothing downloaded.
 Data: seeded lognormal lengths (median 180 tokens, sigma 0.8, as instruction-tuning sets spread), clipped to
-[16, --max-length]; the labels are the token ids.
+[16, --max-length]; the labels are the token ids, and with --prompt-fraction F the first F of each sample is a
+prompt the loss ignores (labels -100: instruction tuning's completion-only loss).
 
     python benchmarks/causal_lm.py [--quick] [--modes eager,peer,accel] [--steps N] [--batch B] [--attn flex_attention]
-                                   [--vocab V]
+                                   [--vocab V] [--prompt-fraction F]
 
 Writes benchmarks/results/causal_lm_<device>.json and .png.
 """
@@ -41,15 +42,22 @@ QUICK_LLAMA = dict(LLAMA, vocab_size=500, hidden_size=32, num_hidden_layers=2, n
 
 
 class Workload(bert_base.Workload):
-    """bert_base's Workload of samples of many lengths, batched as a causal LM's collator pads them."""
+    """bert_base's Workload of samples of many lengths, batched as a causal LM's collator pads them, in an order
+    shuffled with a fixed seed: every mode's loader draws the same batches, and accel's packed rows (which
+    accelerate() shuffles too where the loader does) come in no order of length (first-fit decreasing makes
+    them longest first)."""
 
     @property
     def name(self) -> str:
         return f"causal {self.batch}x<={self.max_length}"
 
+    @staticmethod
+    def collate(samples: list[dict]) -> dict:
+        return pad_for_causal_lm(samples)
+
     def loader(self) -> DataLoader:
-        return DataLoader(self.samples, batch_size=self.batch, shuffle=False, drop_last=True,
-                          collate_fn=pad_for_causal_lm)
+        return DataLoader(self.samples, batch_size=self.batch, shuffle=True, drop_last=True,
+                          generator=torch.Generator().manual_seed(0), collate_fn=self.collate)
 
 
 def pad_for_causal_lm(samples: list[dict]) -> dict:
@@ -66,16 +74,31 @@ def pad_for_causal_lm(samples: list[dict]) -> dict:
     return batch
 
 
+def packable_lengths(batch: int, batches: int, max_length: int, seed: int) -> list[int]:
+    """instruction_lengths for `batches` padded batches of `batch` samples, and as many more as accel's packed rows
+    take in as many steps (`batch` rows of max_length tokens, several samples a row), so that no mode sees a
+    sample twice: a sample seen again is partly learnt by heart, which the loss check would see."""
+    count = batch * batches
+    while sum(lengths := instruction_lengths(count, max_length, seed)) < batch * batches * max_length:
+        count *= 2
+    return lengths
+
+
 def instruction_lengths(n: int, max_length: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.exp(math.log(180) + 0.8 * torch.randn(n, generator=g))
     return lengths.round().clamp(16, max_length).long().tolist()
 
 
-def make_samples(lengths: list[int], vocab: int, seed: int) -> list[dict]:
+def make_samples(lengths: list[int], vocab: int, seed: int, prompt_fraction: float = 0.0) -> list[dict]:
+    """Token ids with themselves as labels; the first `prompt_fraction` of each sample's labels -100 (a prompt
+    whose tokens the loss ignores, as instruction tuning masks them)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab, (sum(lengths),), generator=g)
-    return [{"input_ids": s.clone(), "labels": s.clone()} for s in torch.split(ids, lengths)]
+    samples = [{"input_ids": s.clone(), "labels": s.clone()} for s in torch.split(ids, lengths)]
+    for sample in samples:
+        sample["labels"][:int(len(sample["labels"]) * prompt_fraction)] = LABEL_PAD
+    return samples
 
 
 def model_config(quick: bool, vocab: int | None = None) -> dict:
@@ -127,6 +150,8 @@ def parse_args(argv=None):
                          "blocks no sample sees (CUDA: it has no backward on the CPU)")
     ap.add_argument("--vocab", type=int, help="vocabulary size (default 32000; Llama 3's is 128256): the logits' "
                                              "share of the step, which memory.fused_lm_loss computes in chunks")
+    ap.add_argument("--prompt-fraction", type=float, default=0.0,
+                    help="the first fraction of each sample is a prompt the loss ignores (labels -100)")
     ap.add_argument("--quick", action="store_true", help="tiny Llama, batch 4, rows of 64, 2 steps")
     ap.add_argument("--out", help="result file name without extension (default causal_lm_<cpu|cuda>)")
     ap.add_argument("--results-dir", type=Path, default=_report.RESULTS)
@@ -134,6 +159,8 @@ def parse_args(argv=None):
     if args.quick:
         args.steps, args.warmup, args.batch, args.max_length = 2, 1, 4, 64
     args.device = torch.device(args.device or bert_base.default_device())
+    if not 0.0 <= args.prompt_fraction < 1.0:
+        ap.error(f"--prompt-fraction: expected a fraction in [0, 1), got {args.prompt_fraction}")
     args.out = args.out or f"causal_lm_{args.device.type}" + ("" if args.attn == "sdpa" else f"_{args.attn}")
     return args
 
@@ -145,12 +172,12 @@ def main(argv=None) -> int:
     config = model_config(args.quick, args.vocab)
     model = build_model(config, args.seed, args.attn)
     vocab = model.config.vocab_size
-    lengths = instruction_lengths(args.batch * (args.warmup + args.steps), args.max_length, args.seed)
+    lengths = packable_lengths(args.batch, args.warmup + args.steps, args.max_length, args.seed)
     # The peer compiles every length as one dynamic graph: with Dynamo's automatic shapes (static first, dynamic
     # on the second length) torch 2.9's Inductor fails to compile this bf16 Llama on the CPU (CppCompileError:
     # 'tmp2' was not declared; fixed by 2.13), and a static graph per padded length recompiles every step.
-    workload = Workload("causal", args.batch, args.max_length, make_samples(lengths, vocab, args.seed),
-                        peer_dynamic=True)
+    workload = Workload("causal", args.batch, args.max_length,
+                        make_samples(lengths, vocab, args.seed, args.prompt_fraction), peer_dynamic=True)
     print(f"Llama {'quick (tiny)' if args.quick else 'config'} ({args.attn}) on {env['device']}: {workload.name}, "
           f"{len(lengths)} samples of median {sorted(lengths)[len(lengths) // 2]} tokens; modes {','.join(args.modes)}",
           flush=True)

@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accel.runtime.host_memory import keep_freed_memory  # noqa: E402
@@ -37,16 +36,17 @@ NUM_LABELS = 2
 PAD_ID = 0
 
 
-class Workload(bert_base.Workload):
-    """Samples padded to the batch's longest on the right: input ids PAD_ID, attention mask 0, one label a row."""
+class Workload(causal_lm.Workload):
+    """causal_lm.py's shuffled batches, padded on the right: input ids PAD_ID, attention mask 0, one label a row."""
 
     @property
     def name(self) -> str:
         return f"classify {self.batch}x{self.max_length}" if self.kind == "fixed" else \
             f"classify {self.batch}x<={self.max_length}"
 
-    def loader(self) -> DataLoader:
-        return DataLoader(self.samples, batch_size=self.batch, shuffle=False, drop_last=True, collate_fn=pad_right)
+    @staticmethod
+    def collate(samples: list[dict]) -> dict:
+        return pad_right(samples)
 
 
 def pad_right(samples: list[dict]) -> dict:
@@ -104,18 +104,13 @@ def main(argv=None) -> int:
     env = _report.environment(str(args.device))
     env["keep_freed_memory"] = args.device.type == "cpu" and keep_freed_memory()  # as bert_base.py
     config = causal_lm.model_config(args.quick)
-    samples_needed = args.warmup + args.steps
+    batches = args.warmup + args.steps
     if args.fixed:
         batch, length = args.fixed[0]
-        workload = Workload("fixed", batch, length, make_samples([length] * batch * samples_needed,
+        workload = Workload("fixed", batch, length, make_samples([length] * batch * batches,
                                                                  config["vocab_size"], args.seed))
     else:
-        # Enough samples for accel's packed rows too (several samples a row), so that no mode sees a sample
-        # twice: this label is learnt by heart within a few steps of repeated samples, failing the loss check.
-        count = args.batch * samples_needed
-        while sum(lengths := causal_lm.instruction_lengths(count, args.max_length, args.seed)) < \
-                args.batch * samples_needed * args.max_length:
-            count *= 2
+        lengths = causal_lm.packable_lengths(args.batch, batches, args.max_length, args.seed)
         # One dynamic graph for every padded length, as causal_lm.py's peer (see there). torch 2.9's C++ code for
         # this classifier's dynamic graph fails to compile (CppCompileError: 'tmp2' was not declared: an index
         # bounds check emitted before its index), so the peer's CPU graphs leave those checks out.

@@ -21,16 +21,24 @@ def test_quick_run_packs_accels_rows_and_passes_the_loss_check(tmp_path):
 
 
 def test_quick_fused_loss_row_takes_the_same_steps(tmp_path):
-    """The memory.fused_lm_loss row (and --vocab): same losses as accel's packed rows; plotted over the peer."""
+    """The memory.fused_lm_loss row (and --vocab, --prompt-fraction: the ignored prompts' rows skip the head's
+    products): same losses as accel's packed rows; plotted over the peer."""
     mode = "accel:memory.fused_lm_loss=true"
-    status = causal_lm.main(["--quick", "--modes", f"peer,accel,{mode}", "--vocab", "3000",
-                             "--results-dir", str(tmp_path), "--out", "fused"])
+    status = causal_lm.main(["--quick", "--modes", f"peer,accel,{mode}", "--vocab", "3000", "--prompt-fraction",
+                             "0.5", "--results-dir", str(tmp_path), "--out", "fused"])
     result = json.loads((tmp_path / "fused.json").read_text())
     assert status == 0 and result["model"]["vocab_size"] == 3000
     rows = {r["mode"]: r for r in result["rows"]}
     assert rows[mode]["status"] == "ok"
     torch.testing.assert_close(rows[mode]["losses"], rows["accel"]["losses"], rtol=1e-3, atol=1e-3)
     assert (tmp_path / "fused.png").exists() and (tmp_path / "fused_memory.png").exists()
+
+
+def test_prompt_fraction_ignores_each_samples_first_labels():
+    samples = causal_lm.make_samples([10, 3], vocab=50, seed=0, prompt_fraction=0.5)
+    assert [(s["labels"] == LABEL_PAD).sum().item() for s in samples] == [5, 1]
+    assert torch.equal(samples[0]["labels"][5:], samples[0]["input_ids"][5:])
+    assert (causal_lm.make_samples([10], vocab=50, seed=0)[0]["labels"] != LABEL_PAD).all()
 
 
 def test_collator_pads_ids_masks_and_labels_as_a_causal_lm_expects():

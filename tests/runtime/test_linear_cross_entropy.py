@@ -108,6 +108,25 @@ def test_every_row_ignored_gives_what_cross_entropy_gives(small_chunks):
     assert loss.item() == 0.0 and all(torch.count_nonzero(g) == 0 for g in grads)
 
 
+@pytest.mark.parametrize("ignored", [(), tuple(range(0, 33, 3)) + tuple(range(1, 20))],
+                         ids=["none_ignored", "mostly_ignored"])
+def test_cpu_products_skip_the_ignored_rows(small_chunks, monkeypatch, ignored):
+    """On the CPU only the rows not ignored (an instruction-tuned model's answer tokens, not its prompt's) reach
+    the head's products, forward and backward; loss and gradients are plain PyTorch's either way."""
+    seen = []
+    slice_fn = lce_module._slice_fn
+
+    def recording(fn, device):
+        step = slice_fn(fn, device)
+        return lambda hidden, *args: (seen.append(hidden.shape[0]), step(hidden, *args))[1]
+
+    monkeypatch.setattr(lce_module, "_slice_fn", recording)
+    h, w, b, t = _inputs("cpu", ignored=ignored)
+    _assert_matches((h, w, b, t))
+    kept = 33 - len(set(ignored))
+    assert seen and set(seen) == {kept}, seen
+
+
 def test_ignore_index_other_than_minus_100(small_chunks):
     h, w, b, t = _inputs("cpu")
     t = t.masked_fill(t == -100, 7)

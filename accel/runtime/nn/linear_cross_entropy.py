@@ -11,6 +11,10 @@ slice of the vocabulary at a time and keeps nothing of that size:
   gradient the slice's rows of the weight's gradient (written once, no accumulation over the vocabulary's size)
   and its share of the hidden states' gradient (summed into an fp32 [tokens, hidden] buffer).
 One more product than the unfused head (the backward recomputes the logits): the time a user trades for memory.
+On the CPU the rows whose target is ignored (-100: an instruction-tuned model's prompt tokens) are left out of
+the products in both passes (finding them costs no host sync there): with half the rows a prompt, forward +
+backward 1.50x / 1.41x the compiled unfused loss (2048 x 512 -> 32000 / 3072 x 512 -> 128256, bf16, 2-core Zen 5),
+which computes every row and ignores some.
 
 The two passes are ops of their own (`accel::linear_cross_entropy_fwd` / `_bwd`, torch.library, with fake
 kernels and an autograd formula), so a compiled model's graph holds them whole: Inductor would otherwise be free
@@ -109,14 +113,20 @@ def _prepared(target, ignore_index):
     return valid, target.masked_fill(~valid, 0)
 
 
-@torch.library.custom_op("accel::linear_cross_entropy_fwd", mutates_args=())
-def _fwd(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
-         ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the loss summed over the rows not ignored [], each row's logsumexp [N]), in the accumulation dtype."""
-    acc = _accumulation_dtype(hidden.dtype)
+def _kept_rows(valid: torch.Tensor) -> torch.Tensor | None:
+    """The rows not ignored, as an index [K], where some are ignored and finding them costs no host sync (the CPU);
+    else None: every row is computed (ignored ones then count 0). An instruction-tuned model's prompt tokens are
+    ignored (-100): on the CPU their share of the head's products is skipped."""
+    if valid.device.type != "cpu" or bool(valid.all()):
+        return None
+    return valid.nonzero().squeeze(1)
+
+
+def _forward_rows(hidden, weight, bias, safe_target) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's logsumexp [N], its target's logit [N]) of F.linear(hidden, weight, bias), in the accumulation
+    dtype, a slice of the vocabulary at a time."""
     rows, vocab = hidden.shape[0], weight.shape[0]
-    valid, safe_target = _prepared(target, ignore_index)
-    running_max = torch.full((rows,), float("-inf"), dtype=acc, device=hidden.device)
+    running_max = torch.full((rows,), float("-inf"), dtype=_accumulation_dtype(hidden.dtype), device=hidden.device)
     running_sum = torch.zeros_like(running_max)
     picked = torch.zeros_like(running_max)
     step = _slice_fn(_forward_slice, hidden.device)
@@ -126,8 +136,24 @@ def _fwd(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
             sl = slice(start, start + cols)
             running_max, running_sum, picked = step(hidden, weight[sl], None if bias is None else bias[sl],
                                                     safe_target, start, running_max, running_sum, picked)
-    lse = running_max + torch.log(running_sum)
-    return torch.where(valid, lse - picked, 0.0).sum(), lse
+    return running_max + torch.log(running_sum), picked
+
+
+@torch.library.custom_op("accel::linear_cross_entropy_fwd", mutates_args=())
+def _fwd(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
+         ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss summed over the rows not ignored [], each row's logsumexp [N]), in the accumulation dtype."""
+    valid, safe_target = _prepared(target, ignore_index)
+    keep = _kept_rows(valid)
+    if keep is None:
+        lse, picked = _forward_rows(hidden, weight, bias, safe_target)
+        return torch.where(valid, lse - picked, 0.0).sum(), lse
+    lse = torch.zeros(hidden.shape[:1], dtype=_accumulation_dtype(hidden.dtype), device=hidden.device)
+    if keep.numel() == 0:
+        return lse.sum(), lse
+    kept_lse, picked = _forward_rows(hidden.index_select(0, keep), weight, bias, safe_target.index_select(0, keep))
+    # an ignored row's logsumexp is never read (its gradient is 0): left 0
+    return (kept_lse - picked).sum(), lse.index_copy(0, keep, kept_lse)
 
 
 @_fwd.register_fake
@@ -142,9 +168,31 @@ def _bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bi
          want_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of hidden, weight and bias for the summed loss's gradient grad_loss []; each one not wanted
     is an empty tensor."""
-    rows, vocab = hidden.shape[0], weight.shape[0]
     valid, safe_target = _prepared(target, ignore_index)
-    row_grad = valid.to(lse.dtype) * grad_loss.to(lse.dtype)
+    keep = _kept_rows(valid)
+    wanted = (want_hidden, want_weight, want_bias)
+    if keep is not None and keep.numel() == 0:  # every row ignored: every gradient 0
+        zeros = [torch.zeros_like(t) if want else hidden.new_empty(0)
+                 for t, want in ((hidden, want_hidden), (weight, want_weight), (bias, want_bias))]
+        return zeros[0], zeros[1], zeros[2]
+    if keep is None:
+        row_grad = valid.to(lse.dtype) * grad_loss.to(lse.dtype)
+        grad_hidden, grad_weight, grad_bias = _backward_rows(hidden, weight, bias, safe_target, lse, row_grad, *wanted)
+    else:  # the rows not ignored alone; the others' gradient is 0
+        kept_hidden = hidden.index_select(0, keep)
+        row_grad = grad_loss.to(lse.dtype).expand(keep.shape[0])
+        kept_grad, grad_weight, grad_bias = _backward_rows(kept_hidden, weight, bias, safe_target.index_select(0, keep),
+                                                           lse.index_select(0, keep), row_grad, *wanted)
+        grad_hidden = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device).index_copy(0, keep, kept_grad)
+    grad_hidden = grad_hidden.to(hidden.dtype) if want_hidden else hidden.new_empty(0)
+    return grad_hidden, grad_weight.result(hidden), grad_bias.result(hidden)
+
+
+def _backward_rows(hidden, weight, bias, safe_target, lse, row_grad, want_hidden: bool, want_weight: bool,
+                   want_bias: bool):
+    """(grad_hidden [N, H] in the accumulation dtype, the weight's and the bias's _SliceGradient), a slice of the
+    vocabulary at a time."""
+    rows, vocab = hidden.shape[0], weight.shape[0]
     grad_hidden = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device)
     grad_weight = _SliceGradient(weight, want_weight)
     grad_bias = _SliceGradient(bias, want_bias)
@@ -157,8 +205,7 @@ def _bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bi
                                        lse, row_grad, grad_hidden, want_hidden, want_weight, want_bias)
             grad_weight.add(sl, gw)
             grad_bias.add(sl, gb)
-    grad_hidden = grad_hidden.to(hidden.dtype) if want_hidden else hidden.new_empty(0)
-    return grad_hidden, grad_weight.result(hidden), grad_bias.result(hidden)
+    return grad_hidden, grad_weight, grad_bias
 
 
 class _SliceGradient:
