@@ -193,7 +193,7 @@ def _attention(sdpa_forward):
 
             # causal as the document mask it replaces is (not as the module says: some do not say)
             out = varlen_attention(query, key, value, segments, is_causal=causal, scale=scaling,
-                                   plain=getattr(module, PLAIN_TRAINING, False))
+                                   plain=getattr(module, PLAIN_CAUSAL if causal else PLAIN_TRAINING, False))
             return out.transpose(1, 2).contiguous(), None
         if _plain_training(module, query, key, attention_mask, dropout, kwargs):
             return _plain_self_attention(module, query, key, value, attention_mask, scaling), None

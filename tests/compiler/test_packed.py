@@ -612,9 +612,10 @@ def test_sliding_window_document_mask_by_hand_and_the_configs_that_slide():
     assert sliding_window(transformers.LlamaConfig()) == (None, False)
 
 
-def _varlen_model(family, plain=False):
+def _varlen_model(family, plain_training=False, plain_causal=False):
     """A model with "accel_sdpa" attention and no attention dropout: a causal Llama or GPT-2, a BERT masked LM;
-    `plain`: told to compute its CPU training attention in plain products (compute.cpu_attention)."""
+    told to compute its CPU training attention in plain products (compute.cpu_attention): `plain_training` the
+    bidirectional one, `plain_causal` the causal one."""
     torch.manual_seed(0)
     if family == "bert":
         model = transformers.BertForMaskedLM(transformers.BertConfig(
@@ -622,20 +623,21 @@ def _varlen_model(family, plain=False):
             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa"))
     else:
         model = _decoder(family, "sdpa")
-    assert unpadded_attention(model, plain_training=plain)
+    assert unpadded_attention(model, plain_training=plain_training, plain_causal=plain_causal)
     return model.train()
 
 
-@pytest.mark.parametrize("plain", [False, True], ids=["flash", "plain"])
+@pytest.mark.parametrize("markers", [(False, False), (True, True), (True, False), (False, True)],
+                         ids=["flash", "plain", "plain_bidirectional", "plain_causal"])
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
-def test_accel_sdpa_computes_each_packed_sample_alone_on_the_cpu(monkeypatch, family, plain):
+def test_accel_sdpa_computes_each_packed_sample_alone_on_the_cpu(monkeypatch, family, markers):
     """Packed rows with "accel_sdpa" attention on the CPU: each sample's attention is the flash kernel over that
     sample alone, or plain products where the model was told (accel.runtime.nn.varlen_attention: the work of the
     samples, not of the masked row; causal for the decoders, bidirectional for BERT), with the same logits, loss
     and gradients as the row's document mask gives (the attention told nothing of segments)."""
     import accel.runtime.nn.varlen_attention as va
 
-    packed = PackedModel(_varlen_model(family, plain))
+    packed = PackedModel(_varlen_model(family, *markers))
     masked = PackedModel(copy.deepcopy(packed.model))
     masked._passes_kwargs = False  # the document mask alone
     runs = []
@@ -657,6 +659,7 @@ def test_accel_sdpa_computes_each_packed_sample_alone_on_the_cpu(monkeypatch, fa
     ids = torch.randint(1, VOCAB, (1, 24), generator=torch.Generator().manual_seed(0))
     out = packed(input_ids=ids, position_ids=position_ids, segment_ids=segment_ids, labels=ids)
     causal = family != "bert"
+    plain = markers[1] if causal else markers[0]  # the decoders follow the causal marker, BERT the other
     assert runs == [(7, causal), (3, causal), (11, causal), (3, causal)] * packed.config.num_hidden_layers
     runs.clear()
     want = masked(input_ids=ids, position_ids=position_ids, segment_ids=segment_ids, labels=ids)
