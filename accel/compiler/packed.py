@@ -238,6 +238,7 @@ class PackedModel(nn.Module):
         # The selecting forward of the last layer (a plain object, not a submodule), or None: the full layer.
         self._last_layer = last_layer_rows(model) if first_tokens_only and self.head in ("sequence", "last_token") \
             else None
+        self._distilbert_head = self.head == "sequence" and _distilbert_head(model)  # else a BERT-style pooler
         self.register_state_dict_post_hook(_state_dict_without_wrapper)
         self.register_load_state_dict_pre_hook(_load_state_dict_into_wrapper)
 
@@ -391,7 +392,7 @@ class PackedModel(nn.Module):
             1, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, S, H]
         if self.head == "last_token":
             logits = self.model.score(read)
-        elif _distilbert_head(self.model):  # DistilBertForSequenceClassification's head, on each sample's first token
+        elif self._distilbert_head:  # DistilBertForSequenceClassification's head, on each sample's first token
             logits = self.model.classifier(self.model.dropout(F.relu(self.model.pre_classifier(read))))
         else:
             # The pooler takes token 0 of each [1, H] "sequence": one pooled vector per sample.
