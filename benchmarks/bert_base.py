@@ -212,10 +212,10 @@ class Workload:
 
 
 def pad_to_longest(samples: list[dict]) -> dict:
-    """What DataCollatorWithPadding does for BERT: pad every field to the batch's longest sample with 0."""
+    """What DataCollatorWithPadding does for BERT: pad every field but the labels (input ids, token types where the
+    samples have them, attention mask) to the batch's longest sample with 0; one label a sample."""
     longest = max(len(s["input_ids"]) for s in samples)
-    batch = {key: torch.zeros(len(samples), longest, dtype=torch.long)
-             for key in ("input_ids", "token_type_ids", "attention_mask")}
+    batch = {key: torch.zeros(len(samples), longest, dtype=torch.long) for key in samples[0] if key != "labels"}
     for row, sample in enumerate(samples):
         for key, padded in batch.items():
             padded[row, :len(sample[key])] = sample[key]
@@ -223,12 +223,13 @@ def pad_to_longest(samples: list[dict]) -> dict:
     return batch
 
 
-def make_samples(lengths: list[int], vocab: int, seed: int) -> list[dict]:
-    """Tokenised-sentence dicts (SST-2's fields after the tokenizer); label = parity of the first token."""
+def make_samples(lengths: list[int], vocab: int, seed: int, token_types: bool = True) -> list[dict]:
+    """Tokenised-sentence dicts (SST-2's fields after the tokenizer; without token_type_ids where `token_types` is
+    False, as a decoder's tokenizer gives them); ids from 1 (0 pads); label = parity of the first token."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab, (sum(lengths),), generator=g)
-    return [{"input_ids": s.clone(), "token_type_ids": torch.zeros_like(s), "attention_mask": torch.ones_like(s),
-             "labels": s[0] % 2} for s in torch.split(ids, lengths)]
+    return [{"input_ids": s.clone(), **({"token_type_ids": torch.zeros_like(s)} if token_types else {}),
+             "attention_mask": torch.ones_like(s), "labels": s[0] % 2} for s in torch.split(ids, lengths)]
 
 
 def sst2_like_lengths(n: int, max_length: int, seed: int) -> list[int]:

@@ -135,9 +135,9 @@ def plots(rows: list[dict], title: str, name: str, directory: Path) -> list[Path
     return out
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", type=bert_base.parse_modes, default=list(MODES), help=f"from {','.join(MODES)}")
+def add_workload_arguments(ap: argparse.ArgumentParser, modes: tuple[str, ...]) -> None:
+    """The arguments of a benchmark on this one's samples of many lengths (this one's, decoder_classifier.py's)."""
+    ap.add_argument("--modes", type=bert_base.parse_modes, default=list(modes), help=f"from {','.join(modes)}")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per mode")
     ap.add_argument("--warmup", type=int, default=3, help="steps before timing (compiles happen there)")
     ap.add_argument("--batch", type=int, default=8, help="samples per padded batch")
@@ -145,6 +145,11 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=("cuda", "cpu"), help="device of the eager and peer modes")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_arguments(ap, MODES)
     ap.add_argument("--attn", choices=("sdpa", "flex_attention", "eager"), default="sdpa",
                     help="every mode's attention: flex_attention gives accel's packed rows a BlockMask that skips the "
                          "blocks no sample sees (CUDA: it has no backward on the CPU)")

@@ -33,11 +33,12 @@ from benchmarks import _report, bert_base, causal_lm  # noqa: E402
 
 MODES = ("eager", "eager-amp", "peer", "accel", "accel:compute.first_token_only=false")
 NUM_LABELS = 2
-PAD_ID = 0
+PAD_ID = 0  # what bert_base.py's collator pads with; its samples' ids start at 1
 
 
 class Workload(causal_lm.Workload):
-    """causal_lm.py's shuffled batches, padded on the right: input ids PAD_ID, attention mask 0, one label a row."""
+    """causal_lm.py's shuffled batches, padded on the right (bert_base.py's collator: input ids and attention mask
+    0, PAD_ID; one label a row)."""
 
     @property
     def name(self) -> str:
@@ -46,25 +47,7 @@ class Workload(causal_lm.Workload):
 
     @staticmethod
     def collate(samples: list[dict]) -> dict:
-        return pad_right(samples)
-
-
-def pad_right(samples: list[dict]) -> dict:
-    longest = max(len(s["input_ids"]) for s in samples)
-    batch = {key: torch.full((len(samples), longest), PAD_ID, dtype=torch.long)
-             for key in ("input_ids", "attention_mask")}
-    for row, sample in enumerate(samples):
-        for key, padded in batch.items():
-            padded[row, :len(sample[key])] = sample[key]
-    batch["labels"] = torch.stack([s["labels"] for s in samples])
-    return batch
-
-
-def make_samples(lengths: list[int], vocab: int, seed: int) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(PAD_ID + 1, vocab, (sum(lengths),), generator=g)
-    return [{"input_ids": s.clone(), "attention_mask": torch.ones_like(s), "labels": s[0] % NUM_LABELS}
-            for s in torch.split(ids, lengths)]
+        return bert_base.pad_to_longest(samples)
 
 
 def build_model(config: dict, seed: int):
@@ -77,15 +60,8 @@ def build_model(config: dict, seed: int):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", type=bert_base.parse_modes, default=list(MODES), help=f"from {','.join(MODES)}")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per mode")
-    ap.add_argument("--warmup", type=int, default=3, help="steps before timing (compiles happen there)")
-    ap.add_argument("--batch", type=int, default=8, help="samples per padded batch")
-    ap.add_argument("--max-length", type=int, default=1024, help="longest sample and packed row length")
+    causal_lm.add_workload_arguments(ap, MODES)
     ap.add_argument("--fixed", type=bert_base.parse_sizes, help="BxL: batches of B samples of L tokens, no padding")
-    ap.add_argument("--lr", type=float, default=2e-5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", choices=("cuda", "cpu"), help="device of the eager and peer modes")
     ap.add_argument("--quick", action="store_true", help="tiny Llama, batch 4, rows of 64, 2 steps")
     ap.add_argument("--out", help="result file name without extension (default decoder_classifier_<cpu|cuda>)")
     ap.add_argument("--results-dir", type=Path, default=_report.RESULTS)
@@ -107,15 +83,17 @@ def main(argv=None) -> int:
     batches = args.warmup + args.steps
     if args.fixed:
         batch, length = args.fixed[0]
-        workload = Workload("fixed", batch, length, make_samples([length] * batch * batches,
-                                                                 config["vocab_size"], args.seed))
+        workload = Workload("fixed", batch, length, bert_base.make_samples([length] * batch * batches,
+                                                                           config["vocab_size"], args.seed,
+                                                                           token_types=False))
     else:
         lengths = causal_lm.packable_lengths(args.batch, batches, args.max_length, args.seed)
         # One dynamic graph for every padded length, as causal_lm.py's peer (see there). torch 2.9's C++ code for
         # this classifier's dynamic graph fails to compile (CppCompileError: 'tmp2' was not declared: an index
         # bounds check emitted before its index), so the peer's CPU graphs leave those checks out.
         workload = Workload("padded", args.batch, args.max_length,
-                            make_samples(lengths, config["vocab_size"], args.seed), peer_dynamic=True,
+                            bert_base.make_samples(lengths, config["vocab_size"], args.seed, token_types=False),
+                            peer_dynamic=True,
                             peer_cpu_options={"assert_indirect_indexing": False})
     print(f"LlamaForSequenceClassification {'quick (tiny)' if args.quick else 'config'} on {env['device']}: "
           f"{workload.name}; modes {','.join(args.modes)}", flush=True)
