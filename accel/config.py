@@ -110,9 +110,10 @@ class ComputeConfig(_Section):
         the dimension whose shape changed (accel.compiler.recompile_guard; the returned loader's
         `recompile_guard` attribute holds the report). Off by default: opt in.
     first_token_only: for classifiers that read one token of the last layer's output (BERT, RoBERTa, ELECTRA,
-        DistilBERT sequence classification, ViT and DeiT image classification: the first token; Llama, Mistral, Qwen2 and
-        Qwen3 sequence classification: the last token that is not padding; accel.compiler.first_token), the last
-        layer computes that token alone; under dataloader.pack, each sample's. Same logits, loss and gradients;
+        DistilBERT sequence classification, ViT and DeiT image classification: the first token; Llama, Mistral,
+        Qwen2, Qwen3 and Gemma sequence classification: the last token that is not padding;
+        accel.compiler.first_token), the last layer computes that token alone; under dataloader.pack, each
+        sample's. Same logits, loss and gradients;
         BERT-base 8x128 fwd+bwd 1.10x on a CPU (measured); ViT-base bf16 training 1.07x; DistilBERT-base 1.11x;
         an 8-layer Llama classifier bf16 training at 8x256 1.11-1.13x.
     fuse_qkv: an encoder's self-attention projects query, key and value with one GEMM over the three weights

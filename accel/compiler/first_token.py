@@ -20,9 +20,9 @@ The choice is made per call of the model: a forward pre-hook switches the last l
 forward hook that runs even when the forward raises switches it back. Apply it after activation checkpointing
 (accelerate() does): a checkpointed layer recomputes its forward in the backward, after the model's call.
 
-A decoder's sequence classifier (Llama's, Mistral's, Qwen2's, Qwen3's: transformers' GenericForSequenceClassification,
-LAST_TOKEN_HEADS) reads one position too: each row's last token that is not padding (the rightmost token whose id is
-not pad_token_id, transformers' own rule, left or right padding). Its last decoder layer (RMSNorm, attention with
+A decoder's sequence classifier (Llama's, Mistral's, Qwen2's, Qwen3's, Gemma's: transformers'
+GenericForSequenceClassification, LAST_TOKEN_HEADS) reads one position too: each row's last token that is not
+padding (the rightmost token whose id is not pad_token_id, transformers' own rule, left or right padding). Its last decoder layer (RMSNorm, attention with
 rotary positions, RMSNorm, MLP) computes that token alone, from the keys and values of every position, and returns
 it in place in a [B, L, H] tensor of zeros: the model's own norm, score and pooling then read the same row as
 before. In a reward model of 16 layers that is ~1/16 of the step's arithmetic.
@@ -54,8 +54,9 @@ FIRST_TOKEN_HEADS = frozenset({
 # Decoder classifiers that score the last token that is not padding, over layers built as LlamaDecoderLayer; the
 # model types are named because the layer's attributes do not show what its attention does (Olmo's clips q, k, v).
 LAST_TOKEN_HEADS = frozenset({"LlamaForSequenceClassification", "MistralForSequenceClassification",
-                              "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"})
-DECODER_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+                              "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification",
+                              "GemmaForSequenceClassification"})
+DECODER_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma"})
 # Attention implementations whose mask is None or a tensor with a query dimension that can be cut.
 _ATTENTION = (SDPA, ACCEL_SDPA, "eager")
 _CACHE_KWARGS = ("cache", "past_key_values")  # the key/value cache's keyword in transformers >= 5.24, and before
