@@ -59,6 +59,17 @@ def _step(model, batch):
     return out.logits.detach(), out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def _assert_same_step(got, expected, tol=(1e-5, 1e-6), grad_tol=(1e-4, 1e-6)):
+    """Logits, loss and every parameter's gradient of two _step results (a gradient the reference has not, e.g. the
+    unused pooler of a RoBERTa classifier, must be missing too)."""
+    (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = got, expected
+    torch.testing.assert_close(logits, ref_logits, rtol=tol[0], atol=tol[1])
+    torch.testing.assert_close(loss, ref_loss, rtol=tol[0], atol=tol[1])
+    assert grads.keys() == ref_grads.keys()
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[key], rtol=grad_tol[0], atol=grad_tol[1], msg=key)
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("name", sorted(FIRST_TOKEN_HEADS - IMAGE_HEADS))
 def test_same_logits_loss_and_gradients_as_the_full_model(name, attention):
@@ -67,17 +78,8 @@ def test_same_logits_loss_and_gradients_as_the_full_model(name, attention):
     assert first_token_only(model)
     queries = _query_lengths(model)
     batch = _batch(name)
-    logits, loss, grads = _step(model, batch)
-    ref_logits, ref_loss, ref_grads = _step(reference, batch)
+    _assert_same_step(_step(model, batch), _step(reference, batch))
     assert queries == [1], "the last layer computed more than the first token"
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    assert grads.keys() == ref_grads.keys()
-    for key, grad in grads.items():
-        if ref_grads[key] is None:  # e.g. the unused pooler of a RoBERTa classifier
-            assert grad is None, key
-        else:
-            torch.testing.assert_close(grad, ref_grads[key], rtol=1e-4, atol=1e-6, msg=key)
 
 
 def test_unpadded_batch_and_eval_mode():
@@ -163,11 +165,7 @@ def test_compiled_model_matches_and_does_not_break_the_graph():
     explained = torch._dynamo.explain(model)(**batch)
     assert explained.graph_break_count == 0, explained.break_reasons
     model.compile(dynamic=False)
-    logits, loss, grads = _step(model, batch)
-    ref_logits, ref_loss, ref_grads = _step(reference, batch)
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
-    for key, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[key], rtol=1e-4, atol=1e-5, msg=key)
+    _assert_same_step(_step(model, batch), _step(reference, batch), tol=(1e-4, 1e-5), grad_tol=(1e-4, 1e-5))
 
 
 # ------------------------------------------------------------ image classifiers over pre-norm layers (ViT, DeiT)
@@ -202,16 +200,8 @@ def test_image_classifiers_same_logits_loss_and_gradients(name, attention):
     assert first_token_only(model)
     queries = _image_query_lengths(model)
     batch = _image_batch()
-    logits, loss, grads = _step(model, batch)
-    ref_logits, ref_loss, ref_grads = _step(reference, batch)
+    _assert_same_step(_step(model, batch), _step(reference, batch))
     assert queries == [1]
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for key, grad in grads.items():
-        if ref_grads[key] is None:
-            assert grad is None, key
-        else:
-            torch.testing.assert_close(grad, ref_grads[key], rtol=1e-4, atol=1e-6, msg=key)
 
 
 def test_image_classifier_hidden_states_and_the_base_model_see_every_position():
@@ -246,11 +236,8 @@ def test_compiled_image_classifier_matches():
     first_token_only(model)
     torch._dynamo.reset()
     model.compile(dynamic=False)
-    logits, loss, grads = _step(model, _image_batch())
-    ref_logits, ref_loss, ref_grads = _step(reference, _image_batch())
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
-    for key, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[key], rtol=1e-4, atol=1e-5, msg=key)
+    _assert_same_step(_step(model, _image_batch()), _step(reference, _image_batch()), tol=(1e-4, 1e-5),
+                      grad_tol=(1e-4, 1e-5))
 
 
 # ------------------------------------------------- decoder classifiers: the last token that is not padding (Llama)
@@ -280,16 +267,6 @@ def _decoder_query_lengths(model) -> list[int]:
     model.base_model.layers[-1].self_attn.q_proj.register_forward_hook(
         lambda module, args, out: seen.append(args[0].shape[-2]))
     return seen
-
-
-def _assert_same_step(got, expected, tol=(1e-5, 1e-6), grad_tol=(1e-4, 1e-6)):
-    """Logits, loss and every parameter's gradient of two _step results."""
-    (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = got, expected
-    torch.testing.assert_close(logits, ref_logits, rtol=tol[0], atol=tol[1])
-    torch.testing.assert_close(loss, ref_loss, rtol=tol[0], atol=tol[1])
-    assert grads.keys() == ref_grads.keys()
-    for key, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[key], rtol=grad_tol[0], atol=grad_tol[1], msg=key)
 
 
 def _cache_keys(out) -> torch.Tensor:

@@ -178,14 +178,16 @@ def _bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bi
     if keep is None:
         row_grad = valid.to(lse.dtype) * grad_loss.to(lse.dtype)
         grad_hidden, grad_weight, grad_bias = _backward_rows(hidden, weight, bias, safe_target, lse, row_grad, *wanted)
+        grad_hidden = grad_hidden.to(hidden.dtype) if want_hidden else None
     else:  # the rows not ignored alone; the others' gradient is 0
         kept_hidden = hidden.index_select(0, keep)
         row_grad = grad_loss.to(lse.dtype).expand(keep.shape[0])
         kept_grad, grad_weight, grad_bias = _backward_rows(kept_hidden, weight, bias, safe_target.index_select(0, keep),
                                                            lse.index_select(0, keep), row_grad, *wanted)
-        grad_hidden = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device).index_copy(0, keep, kept_grad)
-    grad_hidden = grad_hidden.to(hidden.dtype) if want_hidden else hidden.new_empty(0)
-    return grad_hidden, grad_weight.result(hidden), grad_bias.result(hidden)
+        grad_hidden = hidden.new_zeros(hidden.shape).index_copy(0, keep, kept_grad.to(hidden.dtype)) \
+            if want_hidden else None
+    return (hidden.new_empty(0) if grad_hidden is None else grad_hidden), grad_weight.result(hidden), \
+        grad_bias.result(hidden)
 
 
 def _backward_rows(hidden, weight, bias, safe_target, lse, row_grad, want_hidden: bool, want_weight: bool,
