@@ -21,7 +21,9 @@ What it does, in order (each step says why it sits where it does):
    bf16 step through accelerate() 1.68x, a 4-layer BERT's eager fp32 step 1.33x).
 4. kernels: the library's hooks where they win on this device (accel.runtime.policy). LayerNorm and Dropout
    modules already built are switched to FusedLayerNorm / PhiloxDropout in place (same parameters); fused
-   Adam is a hook on torch.optim.Adam/AdamW, so it reaches the optimizer the user builds next.
+   Adam is a hook on torch.optim.Adam/AdamW, so it reaches the optimizer the user builds next. Where
+   PhiloxDropout wins (the CPU), compiled graphs draw every other dropout mask (F.dropout calls) with its kernel
+   too (accel.compiler.cpu_dropout, a graph pass given to Inductor at step 7).
 5. activation checkpointing (memory.gc): the blocks named by memory.gc_cls, or the repeated blocks
    auto_checkpoint finds; memory.gc_cnt limits it to the first N. memory.fused_lm_loss: a causal LM's training
    loss without its logits (accel.compiler.fused_lm_loss). Then compute.first_token_only: a
@@ -83,6 +85,7 @@ from accel import distributed
 from accel.compiler.unpadded_attention import switches, unpadded_attention
 from accel.config import Config
 from accel.data.full_mask import reads_no_mask_as_full
+from accel.runtime import policy
 from accel.runtime.host_memory import keep_freed_memory
 from accel.utils.cpu import native, warn_emulated
 from accel.utils.instance_forward import InstanceForward
@@ -188,7 +191,7 @@ def _retype(model: nn.Module, torch_class: type, subclass: type) -> None:
 
 
 def _apply_kernels(model: nn.Module, kernels: frozenset[str]) -> None:
-    from accel.runtime import hooks, policy
+    from accel.runtime import hooks
 
     if policy.LAYER_NORM in kernels:
         from accel.runtime.nn.layer_norm import FusedLayerNorm, _TorchLayerNorm
@@ -336,10 +339,8 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         from accel.runtime.nn.onednn_mm import OneDNNLinear
 
         _retype(model, Linear, OneDNNLinear)
-    if config.compute.kernels:
-        from accel.runtime.policy import helpful_kernels
-
-        _apply_kernels(model, helpful_kernels(backend, compiled, dtype))
+    kernels = policy.helpful_kernels(backend, compiled, dtype) if config.compute.kernels else frozenset()
+    _apply_kernels(model, kernels)
     if config.memory.gc:
         from accel.checkpoint import auto_checkpoint
 
@@ -378,6 +379,12 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
             from accel.compiler.cpu_gemm import SwapCpuGemms
 
             inductor_options["post_grad_custom_post_pass"] = SwapCpuGemms()
+        if backend == "cpu" and policy.DROPOUT in kernels:
+            # the dropout masks a model draws with F.dropout (no layer to swap): accel's Philox kernel, as
+            # PhiloxDropout's; a pass the user set in compute.inductor_options is kept
+            from accel.compiler.cpu_dropout import DrawDropoutMasks
+
+            inductor_options.setdefault("joint_custom_pre_pass", DrawDropoutMasks())
         _compile(model, backend, cuda_graphs, n_shapes, inductor_options)
     from accel.compiler.optimizer import adopt_optimizers
 

@@ -403,10 +403,11 @@ ACCEL_AVX512 void mask_chunks_avx512(bool* out, int64_t n, int64_t begin, int64_
 }
 #endif
 
-// dropout_mask(size, p, *, device) -> bool tensor of `size`, true where an element is kept: the keep rule of
-// the forward above for a fresh rng_state (seed drawn from torch's CPU generator, offset 0), written as
-// one byte per element. p = 0 keeps everything and p = 1 nothing, without drawing.
-at::Tensor dropout_mask_cpu(c10::SymIntArrayRef size, double p, at::Device device) {
+// dropout_mask(size, p, *, device, call) -> bool tensor of `size`, true where an element is kept: the keep rule
+// of the forward above for a fresh rng_state (seed drawn from torch's CPU generator, offset 0), written as
+// one byte per element. p = 0 keeps everything and p = 1 nothing, without drawing. `call` is not read (see the
+// schema).
+at::Tensor dropout_mask_cpu(c10::SymIntArrayRef size, double p, at::Device device, int64_t /*call*/) {
   check_p(p);
   auto mask = at::empty(C10_AS_INTARRAYREF_SLOW(size), at::TensorOptions().dtype(at::kBool).device(device));
   const int64_t n = mask.numel();
@@ -457,18 +458,18 @@ at::Tensor masked_scale_cpu(const at::Tensor& x_, const at::Tensor& mask_, doubl
 // CUDA kernel writes both in one pass).
 std::tuple<at::Tensor, at::Tensor> dropout_fwd_cpu(const at::Tensor& x, double p) {
   check_dropout_fwd(x, p);
-  at::Tensor mask = dropout_mask_cpu(x.sym_sizes(), p, x.device());
+  at::Tensor mask = dropout_mask_cpu(x.sym_sizes(), p, x.device(), 0);
   return {masked_scale_cpu(x, mask, keep_scale(p)), mask};
 }
 
 // dropout_mask has no tensor argument to dispatch on: pick the backend from its device argument, as
 // torch's own factory functions do.
-at::Tensor dropout_mask_backend_select(c10::SymIntArrayRef size, double p, at::Device device) {
+at::Tensor dropout_mask_backend_select(c10::SymIntArrayRef size, double p, at::Device device, int64_t call) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("accel::dropout_mask", "")
-                             .typed<at::Tensor(c10::SymIntArrayRef, double, at::Device)>();
+                             .typed<at::Tensor(c10::SymIntArrayRef, double, at::Device, int64_t)>();
   return op.redispatch(c10::DispatchKeySet(c10::computeDispatchKey(std::nullopt, std::nullopt, device)), size,
-                       p, device);
+                       p, device, call);
 }
 
 }  // namespace
@@ -484,7 +485,12 @@ TORCH_LIBRARY_FRAGMENT(accel, m) {
   // that a compiler fuses with their neighbours; nondeterministic_seeded as the forward. device is
   // keyword-only, as in torch's factory functions: a graph that recomputes a random op under activation
   // checkpointing (torch's run_and_save_rng_state) finds the device of an op without tensor inputs there.
-  m.def("dropout_mask(SymInt[] size, float p, *, Device device) -> Tensor", {at::Tag::nondeterministic_seeded});
+  // `call` tells calls apart and is not read: AOTAutograd's common-subexpression pass merges nodes of equal
+  // arguments whatever their tags (torch 2.9-2.13 spare only aten's random ops), so two compiled dropouts of one
+  // shape and p would share one mask. Compiled callers give each call its own number
+  // (accel/runtime/nn/bias_dropout_add.py, accel/compiler/cpu_dropout.py).
+  m.def("dropout_mask(SymInt[] size, float p, *, Device device, int call=0) -> Tensor",
+        {at::Tag::nondeterministic_seeded});
   // x * mask * scale (mask: bool of x's shape), dropout's scaling half as an op whose gradient is a C++
   // node (csrc/autograd/bias_dropout_add_autograd.cpp) calling the op again: the gradient of dropout_fwd's
   // y. Its own one-pass kernel on the CPU, ATen's native_dropout_backward on every other backend.

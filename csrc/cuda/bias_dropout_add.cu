@@ -394,7 +394,7 @@ __global__ void dropout_mask_kernel(bool* __restrict__ mask, int64_t n, at::Phil
 
 // dropout_mask on CUDA (csrc/cpu/bias_dropout_add.cpp says what it returns); (seed, offset) from the
 // device's generator as in the forward, so a CUDA graph replay draws a new mask.
-at::Tensor dropout_mask_cuda(c10::SymIntArrayRef size, double p, at::Device device) {
+at::Tensor dropout_mask_cuda(c10::SymIntArrayRef size, double p, at::Device device, int64_t /*call*/) {
   check_p(p);
   c10::cuda::CUDAGuard guard(device);
   auto mask = at::empty(C10_AS_INTARRAYREF_SLOW(size), at::TensorOptions().dtype(at::kBool).device(device));

@@ -243,6 +243,35 @@ def test_a_module_drawing_when_compiled_takes_the_mask_op_on_cuda_too(device):
     assert not PhiloxDropout(0.3).draw_when_compiled  # the class default: an instance's setting is its own
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropouts_of_one_shape_in_a_compiled_training_graph_draw_their_own_masks(device):
+    """Two layers, and one layer called twice, with equal shapes and p: AOTAutograd's common-subexpression pass
+    merges nodes of equal arguments (accel::dropout_mask's nondeterministic_seeded tag notwithstanding), and
+    before the op's `call` argument the three dropouts of this graph shared one mask."""
+    _ops()
+
+    class Three(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = PhiloxDropout(0.5), PhiloxDropout(0.5)
+            self.a.draw_when_compiled = self.b.draw_when_compiled = True  # CUDA draws with the op too
+
+        def forward(self, x):
+            return self.a(x), self.b(x), self.a(x * 2)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(Three().train())
+    x = torch.ones(4096, device=device, requires_grad=True)
+    outs = compiled(x)
+    masks = [out != 0 for out in outs]
+    for i in range(3):
+        for j in range(i):
+            assert not torch.equal(masks[i], masks[j]), (i, j)
+    sum(out.sum() for out in outs).backward()  # each output's gradient through its own mask
+    expected = sum(mask.float() * scale for mask, scale in zip(masks, (2, 2, 4)))
+    torch.testing.assert_close(x.grad, expected)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs: needs a CUDA device")
 def test_cuda_graph_replays_of_the_compiled_mask_op_draw_new_masks():
     # torch.compile(mode="reduce-overhead") replays the graph it recorded: the op must take a new Philox offset

@@ -31,6 +31,7 @@ and the kernel here draws 64 at a time.
 """
 from __future__ import annotations
 
+import itertools
 import numbers
 
 import torch
@@ -91,7 +92,7 @@ def _register():
 
     torch.library.register_fake("accel::bias_dropout_add_bwd")(fake_bwd)
 
-    def fake_mask(size, p, *, device):
+    def fake_mask(size, p, *, device, call=0):
         return torch.empty(size, dtype=torch.bool, device=device)
 
     torch.library.register_fake("accel::dropout_mask")(fake_mask)
@@ -228,8 +229,20 @@ def _philox_dropout(x, p, training, inplace, draw_when_compiled: bool):
     if (inplace or p == 1.0 or not isinstance(x, torch.Tensor) or not x.is_floating_point() or not use_kernel(x)
             or (_inductor_draws(x) and not draw_when_compiled)):
         return F.dropout(x, p, training, inplace)
-    mask = _ops().dropout_mask(x.shape, float(p), device=x.device)
+    mask = _ops().dropout_mask(x.shape, float(p), device=x.device, call=dropout_mask_call())
     return mask * x * (1.0 / (1.0 - p))
+
+
+_mask_calls = itertools.count(1)
+
+
+@torch.compiler.assume_constant_result
+def dropout_mask_call() -> int:
+    """A number no other call of accel::dropout_mask in this process has had: its `call` argument, which only tells
+    calls apart. AOTAutograd merges graph nodes of equal arguments whatever their tags (torch 2.9-2.13 spare aten's
+    random ops only), so two dropouts of one shape and p in a compiled training graph would otherwise share one mask.
+    Dynamo runs it while tracing (assume_constant_result): each traced call site gets its own constant."""
+    return next(_mask_calls)
 
 
 class PhiloxDropout(_TorchDropout):
