@@ -32,12 +32,13 @@ What it does, in order (each step says why it sits where it does):
    outside the call).
 6. packing (dataloader.pack): the model is wrapped to take packed rows (accel.compiler.packed); the
    autocast of step 2 goes around that wrapper. With compute.first_token_only a packed sequence classifier's
-   last layer computes each sample's read token alone. An encoder with "sdpa" attention switches to accel's
-   "accel_sdpa" (accel.compiler.unpadded_attention): the same attention, without a mask when a batch has no
-   padding mask, also under torch.compile (where transformers would build one), with the attention
-   module's own dropout layer where step 4 swapped it, on packed rows on the CPU each sample's attention
-   computed alone (accel.runtime.nn.varlen_attention), and on the CPU a bidirectional 16-bit training attention in
-   plain ops where a probe finds them faster than SDPA's flash kernel (compute.cpu_attention).
+   last layer computes each sample's read token alone. A model with "sdpa" attention switches to accel's
+   "accel_sdpa" (accel.compiler.unpadded_attention): the same attention, without a mask when a bidirectional
+   attention's batch has no padding mask, also under torch.compile (where transformers would build one), with the
+   attention module's own dropout layer where step 4 swapped it, on packed rows on the CPU each sample's attention
+   computed alone (accel.runtime.nn.varlen_attention), and on the CPU a 16-bit training attention (bidirectional,
+   cross-attention, causal) in plain ops where a probe finds them faster than SDPA's flash kernel
+   (compute.cpu_attention).
 7. compile (compute.compile): cuda and cpu compile the module in place with torch.compile, static
    shapes (one graph per bucket shape), CUDA graphs on cuda when compute.cuda_graphs (a graph Inductor runs
    without them gets a CudaGraphSkipWarning with its reason: accel.compiler.cudagraph_skips); calls carrying a

@@ -141,9 +141,10 @@ class ComputeConfig(_Section):
         matmul, which Inductor fuses around the products, as transformers' eager attention), "sdpa" (torch's SDPA,
         its flash kernel) or "auto" (plain where a probe run once per process, per kind of attention the model has,
         finds it at least 1.25x faster than SDPA here, forward + backward). Bidirectional: models without attention
-        dropout hit it (ViT, a BERT fine-tuned with attention_probs_dropout_prob=0), up to 1024 tokens. Causal
-        (Llama-like decoders, grouped key/value heads too): up to 512 tokens, where SDPA's causal kernel stops
-        losing (an 8-layer Llama classifier's bf16-autocast training at 8x256: 1.22x). fp32 attention
+        dropout hit it (ViT, a BERT fine-tuned with attention_probs_dropout_prob=0, BART's encoder and
+        cross-attention), up to 1024 tokens. Causal (Llama-like decoders, grouped key/value heads and sliding
+        windows too, BART's decoder): up to 512 tokens, where SDPA's causal kernel stops losing (an 8-layer Llama
+        classifier's bf16-autocast training at 8x256: 1.22x; a small BART 1.31x, a Mistral 1.24x). fp32 attention
         and calls without gradients keep SDPA. Packed rows (dataloader.pack) compute each sample's attention alone on the
         CPU: where plain, the backward of samples under 384 tokens in plain products, causal or not
         (accel.runtime.nn.varlen_attention). torch's 16-bit CPU flash kernel is slow backwards without AMX: a 2-core

@@ -23,7 +23,8 @@ probabilities itself and ignore that layer, so while training with dropout the a
 ops, as transformers' eager attention does, with the layer applied to the probabilities. On the CPU that is also
 what SDPA computes whenever it drops (its fused CPU kernels take no dropout): only the mask's source changes.
 
-On the CPU, an encoder's training attention in bf16/fp16 may also be computed in those plain ops (accelerate()'s
+On the CPU, a bidirectional training attention in bf16/fp16 (an encoder's, or an encoder-decoder's
+cross-attention) may also be computed in those plain ops (accelerate()'s
 compute.cpu_attention, `unpadded_attention(model, plain_training=True)`): torch's 16-bit CPU flash kernel is slow
 backwards on a CPU without AMX. A 2-core AMD EPYC with AVX512-BF16 (Zen 5), torch 2.9, 2026-11-27, [B, 12, L, 64]
 bf16 forward + backward: unmasked, plain ops compiled 2.8-5.7x SDPA's speed at L = 128-197, 1.5x at 577, 1.1x
@@ -70,8 +71,10 @@ MAX_PLAIN_CAUSAL_LENGTH = 512
 MIN_PLAIN_SPEEDUP = 1.25
 _PROBE_SHAPE = (4, 12, 256, 64)  # B, H, L, D: a BERT-base / ViT-base layer's attention, a few samples
 _NO_DROPOUT = nn.Identity()
-# What a call may ask of the attention beyond q, k, v and a mask, which the per-sample and plain ways do not do
-_SDPA_ONLY_KWARGS = ("sliding_window", "softcap", "position_bias", "cache", "s_aux", "head_mask")
+# What a call may ask of the attention beyond q, k, v and a mask, which the per-sample and plain ways do not do. A
+# sliding window is not among them: transformers puts it in the mask wherever it cuts (SDPA never reads the keyword),
+# and the plain ops take the same mask; only the per-sample way, which builds no mask, refuses one.
+_SDPA_ONLY_KWARGS = ("softcap", "position_bias", "cache", "s_aux", "head_mask")
 
 
 def _mask_builder(sdpa_mask):
@@ -141,14 +144,17 @@ def plain_attention_speedup(dtype: torch.dtype = torch.bfloat16, causal: bool = 
 
 
 def _plain_training(module: nn.Module, query, key, attention_mask, dropout: float, kwargs: dict) -> bool:
-    """Whether this call is a 16-bit training self-attention on the CPU, unmasked or with a [B, 1|H, L, L] tensor
-    mask (padding, packed rows' document mask), that the module was told to compute in plain ops: bidirectional
-    (PLAIN_TRAINING) or, for a module whose attention is causal, causal (PLAIN_CAUSAL)."""
+    """Whether this call is a 16-bit training attention on the CPU, unmasked or with a [B, 1|H, Lq, Lk] tensor mask
+    (padding, packed rows' document mask), that the module was told to compute in plain ops: bidirectional
+    (PLAIN_TRAINING; self-attention, or an encoder-decoder's cross-attention, whose keys are the encoder's
+    positions) or, for a module whose attention is causal, causal self-attention (PLAIN_CAUSAL)."""
     causal = getattr(module, "is_causal", False) is True
+    longest = MAX_PLAIN_CAUSAL_LENGTH if causal else MAX_PLAIN_LENGTH
     return (getattr(module, PLAIN_CAUSAL if causal else PLAIN_TRAINING, False) and dropout == 0
             and (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4))
             and query.device.type == "cpu" and _sixteen_bit(query) and query.requires_grad
-            and query.shape[2] == key.shape[2] <= (MAX_PLAIN_CAUSAL_LENGTH if causal else MAX_PLAIN_LENGTH)
+            and query.shape[2] <= longest and key.shape[2] <= longest
+            and (query.shape[2] == key.shape[2] or not causal)
             and query.shape[1] % key.shape[1] == 0
             and all(not kwargs.get(name) for name in ("is_causal",) + _SDPA_ONLY_KWARGS))
 
@@ -162,7 +168,7 @@ def _sixteen_bit(query: torch.Tensor) -> bool:
                                       and torch.get_autocast_dtype("cpu") in sixteen)
 
 
-def _plain_self_attention(module: nn.Module, query, key, value, attention_mask, scaling) -> torch.Tensor:
+def _plain_module_attention(module: nn.Module, query, key, value, attention_mask, scaling) -> torch.Tensor:
     """_plain_attention for a call _plain_training accepted: grouped key/value heads repeated for their query heads
     (transformers' repeat_kv), and a causal module's missing mask (SDPA's is_causal) made explicit."""
     groups = query.shape[1] // key.shape[1]
@@ -178,7 +184,7 @@ def _per_sample(module: nn.Module, query, key, segments, dropout: float, kwargs:
     self-attention over the whole row on the CPU, without dropout, a sliding window, soft-capping or a bias."""
     return (query.device.type == "cpu" and query.shape[2] == key.shape[2] == segments.shape[1]
             and not (dropout > 0 and module.training) and getattr(module, "sliding_window", None) is None
-            and all(kwargs.get(name) is None for name in _SDPA_ONLY_KWARGS))
+            and all(kwargs.get(name) is None for name in ("sliding_window",) + _SDPA_ONLY_KWARGS))
 
 
 def _attention(sdpa_forward):
@@ -196,7 +202,7 @@ def _attention(sdpa_forward):
                                    plain=getattr(module, PLAIN_CAUSAL if causal else PLAIN_TRAINING, False))
             return out.transpose(1, 2).contiguous(), None
         if _plain_training(module, query, key, attention_mask, dropout, kwargs):
-            return _plain_self_attention(module, query, key, value, attention_mask, scaling), None
+            return _plain_module_attention(module, query, key, value, attention_mask, scaling), None
         layer = _own_dropout(module, dropout) if dropout > 0 and module.training else None
         if (layer is None or key.shape[1] != query.shape[1] or getattr(module, "is_causal", False)
                 or any(kwargs.get(name) is not None for name in ("is_causal", "position_bias", "cache", "softcap"))):
@@ -222,13 +228,9 @@ def _register() -> bool:
 
 def switches(model: nn.Module) -> bool:
     """Whether unpadded_attention switches `model` (or has): a transformers model with "sdpa" (or "accel_sdpa")
-    attention that is neither a decoder nor an encoder-decoder."""
-    if not is_transformers_model(model):
-        return False
-    config = model.config
-    implementation = getattr(config, "_attn_implementation", None)
-    return implementation == ACCEL_SDPA or (implementation == SDPA and not getattr(config, "is_decoder", False)
-                                            and not getattr(config, "is_encoder_decoder", False))
+    attention: an encoder, a decoder or an encoder-decoder (the mask builder changes only a bidirectional
+    attention's missing padding mask; causal and cross-attention masks are transformers' own)."""
+    return is_transformers_model(model) and getattr(model.config, "_attn_implementation", None) in (SDPA, ACCEL_SDPA)
 
 
 def causal_kinds(model: nn.Module) -> set[bool]:
@@ -240,11 +242,10 @@ def causal_kinds(model: nn.Module) -> set[bool]:
 
 
 def unpadded_attention(model: nn.Module, plain_training: bool = False, plain_causal: bool = False) -> bool:
-    """Switch a transformers encoder with "sdpa" attention to ACCEL_SDPA (see the module docstring).
+    """Switch a transformers model with "sdpa" attention to ACCEL_SDPA (see the module docstring).
 
     Args:
-        model: any module; only a transformers model whose config says "sdpa" attention and that is neither
-            a decoder nor an encoder-decoder changes.
+        model: any module; only a transformers model whose config says "sdpa" attention changes.
         plain_training: its bidirectional bf16/fp16 training attention (unmasked or padded) on the CPU is computed
             in plain ops rather than by SDPA (where plain_attention_speedup found them faster; accelerate() decides).
         plain_causal: the same for its causal attention (a Llama-like model: attention modules with is_causal),

@@ -87,14 +87,26 @@ def test_compiled_attention_gets_no_mask_without_padding_and_its_mask_with():
     assert isinstance(seen[-1], torch.Tensor) and seen[-1].dim() == 4 and not seen[-1].all()
 
 
-def test_only_sdpa_encoders_switch():
+def test_only_sdpa_models_switch():
     assert not unpadded_attention(torch.nn.Linear(2, 2))
     eager = transformers.BertForSequenceClassification(_config("eager"))
     assert not unpadded_attention(eager) and eager.config._attn_implementation == "eager"
-    decoder = transformers.BertLMHeadModel(_config(is_decoder=True))  # causal masks stay transformers'
-    assert not unpadded_attention(decoder) and decoder.config._attn_implementation == "sdpa"
     model, _ = _pair()
     assert unpadded_attention(model)  # a second call changes nothing
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_a_decoders_causal_masks_stay_transformers(padded):
+    """A BERT decoder (causal self-attention): its masks are transformers' own under accel_sdpa, so the same outputs
+    and gradients as with sdpa."""
+    torch.manual_seed(0)
+    model = transformers.BertLMHeadModel(_config(is_decoder=True)).train()
+    reference = transformers.BertLMHeadModel(_config(is_decoder=True)).train()
+    reference.load_state_dict(model.state_dict())
+    assert unpadded_attention(model) and model.config._attn_implementation == ACCEL_SDPA
+    batch = _batch(padded)
+    batch["labels"] = batch["input_ids"]
+    _check_same(model, reference, batch, batch)
 
 
 def test_the_saved_config_keeps_sdpa(tmp_path):
@@ -282,7 +294,9 @@ def test_plain_training_attention_asks_each_call():
     assert not _plain_training(module, q, q, torch.ones(2, 8, dtype=torch.bool), 0.0, {})  # not a [B, H, L, L] one
     assert not _plain_training(module, q, q, None, 0.1, {})  # dropout: SDPA's own path (or the module's layer)
     assert not _plain_training(module, q, q, None, 0.0, {"is_causal": True})
-    assert not _plain_training(module, q, q[:, :, :4], None, 0.0, {})  # keys beyond the queries (a cache)
+    assert _plain_training(module, q, q[:, :, :4], None, 0.0, {})  # cross-attention: other keys than queries
+    long_keys = torch.randn(2, 4, 1025, 16, dtype=torch.bfloat16)
+    assert not _plain_training(module, q, long_keys, None, 0.0, {})  # [B, H, Lq, Lk] kept for the backward
     assert not _plain_training(module, q.detach(), q, None, 0.0, {})  # no gradient: forward alone ties
     assert not _plain_training(module, q.float(), q, None, 0.0, {})
     long = torch.randn(1, 1, 1025, 8, dtype=torch.bfloat16, requires_grad=True)
@@ -292,7 +306,8 @@ def test_plain_training_attention_asks_each_call():
     setattr(module, PLAIN_CAUSAL, True)
     assert _plain_training(module, q, q, None, 0.0, {})
     assert _plain_training(module, q, q[:, :2], None, 0.0, {"sliding_window": None})  # Qwen2's full layers
-    assert not _plain_training(module, q, q, None, 0.0, {"sliding_window": 4})
+    assert _plain_training(module, q, q, torch.ones(2, 1, 8, 8, dtype=torch.bool), 0.0, {"sliding_window": 4})  # in it
+    assert not _plain_training(module, q, q[:, :, :4], None, 0.0, {})  # causal over other keys: a cache
     causal_long = torch.randn(1, 1, 513, 8, dtype=torch.bfloat16, requires_grad=True)
     assert not _plain_training(module, causal_long, causal_long, None, 0.0, {})  # SDPA's causal kernel leads there
     setattr(module, PLAIN_TRAINING, False)
@@ -383,6 +398,36 @@ def test_causal_training_attention_in_plain_ops_matches_sdpa(monkeypatch, head, 
     with torch.no_grad():
         run(**batch)
     assert len(calls) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("window", [4, 4096], ids=["window_cuts", "window_longer_than_rows"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_sliding_window_attention_in_plain_ops_matches_sdpa(monkeypatch, compiled, window):
+    """Mistral passes its window to the attention function, and transformers puts it in the mask where it cuts (SDPA
+    never reads the keyword): the plain ops take that mask, no SDPA call, the fp32 SDPA model's logits."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    settings = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=37, max_position_embeddings=64, sliding_window=window, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(**settings)).train()
+    reference = transformers.MistralForCausalLM(transformers.MistralConfig(**settings)).train()
+    reference.load_state_dict(model.state_dict())
+    assert unpadded_attention(model, plain_causal=True)
+    model.to(torch.bfloat16)
+    ids = torch.randint(3, 99, (2, 11))
+    want = reference(input_ids=ids, labels=ids)
+    calls = _sdpa_calls(monkeypatch)
+    run = torch.compile(model, dynamic=False) if compiled else model
+    got = run(input_ids=ids, labels=ids)
+    got.loss.backward()
+    assert calls == []
+    torch.testing.assert_close(got.logits.float(), want.logits, rtol=3e-2, atol=3e-2)
+    if window == 4:  # the window matters here: a causal mask without it gives other logits
+        unwindowed = transformers.MistralForCausalLM(transformers.MistralConfig(**{**settings, "sliding_window": None}))
+        unwindowed.load_state_dict(reference.state_dict())
+        assert (unwindowed(input_ids=ids).logits - want.logits).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -491,3 +536,78 @@ def test_auto_takes_plain_ops_only_where_every_rank_found_them_faster(monkeypatc
     model, _ = _pair()
     model = accel.accelerate(model, None, config)
     assert not any(getattr(m, PLAIN_TRAINING, False) for m in model.modules())
+
+
+def _bart(seed=0):
+    config = transformers.BartConfig(vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37,
+                                     decoder_ffn_dim=37, max_position_embeddings=64, dropout=0.0,
+                                     attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return transformers.BartForConditionalGeneration(config).train()
+
+
+def _bart_batch(padded: bool):
+    g = torch.Generator().manual_seed(2)
+    batch = {"input_ids": torch.randint(3, 99, (3, 13), generator=g), "labels": torch.randint(3, 99, (3, 7), generator=g)}
+    if padded:  # the encoder's padding: its self-attention's and the cross-attention's masks
+        batch["attention_mask"] = torch.ones(3, 13, dtype=torch.long)
+        batch["attention_mask"][1:, 9:] = 0
+    return batch
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_an_encoder_decoder_switched_gives_sdpas_results(padded):
+    model, reference = _bart(), _bart()
+    assert unpadded_attention(model) and model.config._attn_implementation == ACCEL_SDPA
+    batch = _bart_batch(padded)
+    _check_same(model, reference, batch, batch)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_encoder_decoder_trains_every_attention_in_plain_ops(monkeypatch, compiled, padded):
+    """BART in bf16 with both markers: the encoder's self-attention, the decoder's causal self-attention and the
+    cross-attention (7 queries over 13 keys) all in plain ops, no SDPA call; the fp32 SDPA model's logits, loss and
+    attention gradients to bf16's precision."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model, reference = _bart(), _bart()
+    assert unpadded_attention(model, plain_training=True, plain_causal=True)
+    model.to(torch.bfloat16)
+    batch = _bart_batch(padded)
+    want = reference(**batch)
+    want.loss.backward()
+    calls = _sdpa_calls(monkeypatch)
+    run = torch.compile(model, dynamic=False) if compiled else model
+    got = run(**batch)
+    got.loss.backward()
+    assert calls == []
+    torch.testing.assert_close(got.logits.float(), want.logits, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(got.loss.float(), want.loss, rtol=3e-2, atol=3e-2)
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        # a key bias moves every score of a query alike, which softmax ignores: its gradient is 0 up to rounding
+        if "attn" in name and not name.endswith("k_proj.bias"):
+            torch.testing.assert_close(a.grad.float(), b.grad, rtol=6e-2, atol=6e-2 * b.grad.abs().max().item(),
+                                       msg=name)
+    with torch.no_grad():
+        run(**batch)
+    assert len(calls) == 6  # without gradients: SDPA, 2 encoder + 2 x 2 decoder layers' attentions
+
+
+def test_plain_cross_attention_stops_at_its_length(monkeypatch):
+    """Keys longer than MAX_PLAIN_LENGTH (an encoder's long input) keep SDPA for the attentions over them."""
+    from accel.compiler.unpadded_attention import MAX_PLAIN_LENGTH
+
+    config = transformers.BartConfig(vocab_size=99, d_model=16, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=8,
+                                     decoder_ffn_dim=8, max_position_embeddings=MAX_PLAIN_LENGTH + 8,
+                                     attn_implementation="sdpa")
+    model = transformers.BartForConditionalGeneration(config).train()
+    assert unpadded_attention(model, plain_training=True, plain_causal=True)
+    model.to(torch.bfloat16)
+    calls = _sdpa_calls(monkeypatch)
+    ids = torch.randint(3, 99, (1, MAX_PLAIN_LENGTH + 1))
+    model(input_ids=ids, labels=ids[:, :5]).loss.backward()
+    assert calls == [torch.Size([1, 2, MAX_PLAIN_LENGTH + 1, 8]), torch.Size([1, 2, 5, 8])]  # encoder, cross
