@@ -34,6 +34,14 @@ Evidence (same data and seed in one process):
   3.7 ms against 12.6 ms. BERT-base 8x128 training step through accelerate() (accel_sdpa, AdamW), same
   process, alternating: compiled 3.41 s against 3.76 s (1.10x), eager 3.30 s against 3.45 s (1.05x).
   On CUDA torch's dropout kernels and Inductor's Triton code draw vectorised Philox already: off (below).
+  2026-11-28 (2-core Zen 5, AVX512-BF16): compiled graphs draw the masks of F.dropout calls with the same kernel
+  (accel.compiler.cpu_dropout; BART, OPT, Whisper call the function, not a layer): a small BART's (hidden 256, 2 + 2
+  layers, 8x128) bf16 training step 98.7 -> 80.1 ms (1.23x), alternating steps in one process. Found the same day:
+  AOTAutograd's common-subexpression pass had merged compiled accel::dropout_mask calls of one shape and p (its
+  nondeterministic_seeded tag does not stop it), so a compiled training step drew one mask per shape (every BERT
+  layer's attention dropout the same mask); the op now takes a `call` number per call site. The compiled
+  figures above drew fewer masks than they should have; the masks are a small part of the step (re-measured:
+  benchmarks/results/bert_base_cpu_bf16_recheck_s29.json).
 - CUDA, H200, torch 2.11 (2026-11-26, benchmarks/results/*_h200*): eager philox_dropout 0.69-0.86x
   F.dropout's time (a mask kernel and a scale kernel against torch's one) and 0.83x its host cost per call;
   inside a compiled softmax + dropout 0.96-1.60x. The eager call has since become one op whose CUDA kernel
