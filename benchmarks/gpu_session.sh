@@ -33,6 +33,8 @@
 # vit_base      benchmarks/vit_base.py ($VIT_ARGS), only when named -> $OUT/vit_base.log, vit_base_cuda.json/png
 # decoder_classifier  benchmarks/decoder_classifier.py ($CLASSIFIER_ARGS), only when named
 #               -> $OUT/decoder_classifier.log, decoder_classifier_cuda[_fixed].json/png
+# model_families  benchmarks/model_families.py ($FAMILIES_ARGS), only when named
+#               -> $OUT/model_families.log, model_families_cuda.json/png
 # step_profile  benchmarks/step_profile.py, peer vs accel   -> $OUT/step_profile.log, step_profile_cuda.json/png
 #               and each mode's timeline, step_profile_cuda_<mode>.trace.json.gz (ui.perfetto.dev)
 # multi_stream  benchmarks/multi_stream.py                 -> $OUT/multi_stream.log, multi_stream.json/png
@@ -68,16 +70,19 @@ FAILED=0
 
 # The least each step needs when it runs after others (seconds).
 declare -A RESERVE=([env]=0 [build]=60 [crash_bt]=60 [pytest]=120 [bert_base]=260 [causal_lm]=180 [vit_base]=150
-                    [decoder_classifier]=150
+                    [decoder_classifier]=150 [model_families]=240
                     [step_profile]=100 [multi_stream]=40 [host_cost]=30 [kernels]=60 [kernels_base]=90)
-ORDER=(env build crash_bt pytest bert_base causal_lm vit_base decoder_classifier step_profile multi_stream host_cost kernels kernels_base)
+ORDER=(env build crash_bt pytest bert_base causal_lm vit_base decoder_classifier model_families step_profile multi_stream
+       host_cost kernels kernels_base)
 DEFAULT_STEPS=" ${ORDER[*]} "
 DEFAULT_STEPS=${DEFAULT_STEPS/ crash_bt / }
 DEFAULT_STEPS=${DEFAULT_STEPS/ causal_lm / }
 DEFAULT_STEPS=${DEFAULT_STEPS/ vit_base / }
 DEFAULT_STEPS=${DEFAULT_STEPS/ decoder_classifier / }
+DEFAULT_STEPS=${DEFAULT_STEPS/ model_families / }
 DEFAULT_STEPS=${DEFAULT_STEPS/ kernels_base / }
-STEPS="${STEPS:-$DEFAULT_STEPS}"  # crash_bt, causal_lm, vit_base, decoder_classifier, kernels_base only when named
+STEPS="${STEPS:-$DEFAULT_STEPS}"  # crash_bt, causal_lm, vit_base, decoder_classifier, model_families, kernels_base:
+                                  # only when named
 for name in $STEPS; do
   [[ -v "RESERVE[$name]" ]] || { echo "STEPS: unknown step '$name' (known: ${ORDER[*]})" >&2; exit 2; }
 done
@@ -204,6 +209,11 @@ fi
 if want decoder_classifier; then
   # shellcheck disable=SC2086  # CLASSIFIER_ARGS is a list of words
   step decoder_classifier "$(budget decoder_classifier 200)" "$PY" benchmarks/decoder_classifier.py ${CLASSIFIER_ARGS:-}
+  collect_results
+fi
+if want model_families; then
+  # shellcheck disable=SC2086  # FAMILIES_ARGS is a list of words
+  step model_families "$(budget model_families 300)" "$PY" benchmarks/model_families.py ${FAMILIES_ARGS:-}
   collect_results
 fi
 if want step_profile; then

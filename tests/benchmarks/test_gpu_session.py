@@ -71,7 +71,8 @@ def test_bert_args_replace_the_workload_arguments(tmp_path):
     assert args[args.index("--modes") + 1] == "peer,accel" and "--budget-s" in args
 
 
-@pytest.mark.parametrize("name, variable", [("vit_base", "VIT_ARGS"), ("decoder_classifier", "CLASSIFIER_ARGS")])
+@pytest.mark.parametrize("name, variable", [("vit_base", "VIT_ARGS"), ("decoder_classifier", "CLASSIFIER_ARGS"),
+                                            ("model_families", "FAMILIES_ARGS")])
 def test_single_workload_benchmarks_run_only_when_named_with_their_arguments(tmp_path, name, variable):
     proc, out = _session(tmp_path, name, **{variable: "--modes peer,accel"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
