@@ -129,3 +129,22 @@ def test_accelerate_without_kernels_leaves_inductors_masks():
     torch.manual_seed(7)
     out = ours(x)
     assert not torch.equal(out != 0, _accel_mask((16, 64), seed=7))
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["F.dropout", "PhiloxDropout"])
+def test_a_checkpointed_region_recomputes_the_forwards_masks(layer):
+    """Activation checkpointing recomputes the region's forward in the backward: its masks must be the ones the
+    forward drew (torch's rng-state replay of ops tagged nondeterministic_seeded), or the gradient would drop
+    other elements than the output did."""
+    from torch.utils.checkpoint import checkpoint
+
+    from accel.runtime.nn.bias_dropout_add import PhiloxDropout
+
+    drop = PhiloxDropout(0.5) if layer else (lambda t: F.dropout(t, 0.5, True))
+    compiled = _compiled(lambda t: checkpoint(lambda u: drop(u * 3), t, use_reentrant=False))
+    x = torch.ones(4096, requires_grad=True)
+    out = compiled(x)
+    out.sum().backward()
+    kept = out != 0
+    assert 0.45 < kept.float().mean().item() < 0.55
+    torch.testing.assert_close(x.grad, kept.float() * 6.0)  # d(3 x / (1 - p))/dx where kept, 0 where dropped
