@@ -111,7 +111,7 @@ class ComputeConfig(_Section):
         `recompile_guard` attribute holds the report). Off by default: opt in.
     first_token_only: for classifiers that read one token of the last layer's output (BERT, RoBERTa, ELECTRA,
         DistilBERT sequence classification, ViT and DeiT image classification: the first token; Llama, Mistral,
-        Qwen2, Qwen3 and Gemma sequence classification: the last token that is not padding;
+        Qwen2, Qwen3, Gemma and Phi-3 sequence classification: the last token that is not padding;
         accel.compiler.first_token), the last layer computes that token alone; under dataloader.pack, each
         sample's. Same logits, loss and gradients;
         BERT-base 8x128 fwd+bwd 1.10x on a CPU (measured); ViT-base bf16 training 1.07x; DistilBERT-base 1.11x;

@@ -20,7 +20,7 @@ The choice is made per call of the model: a forward pre-hook switches the last l
 forward hook that runs even when the forward raises switches it back. Apply it after activation checkpointing
 (accelerate() does): a checkpointed layer recomputes its forward in the backward, after the model's call.
 
-A decoder's sequence classifier (Llama's, Mistral's, Qwen2's, Qwen3's, Gemma's: transformers'
+A decoder's sequence classifier (Llama's, Mistral's, Qwen2's, Qwen3's, Gemma's, Phi-3's: transformers'
 GenericForSequenceClassification, LAST_TOKEN_HEADS) reads one position too: each row's last token that is not
 padding (the rightmost token whose id is not pad_token_id, transformers' own rule, left or right padding). Its last decoder layer (RMSNorm, attention with
 rotary positions, RMSNorm, MLP) computes that token alone, from the keys and values of every position, and returns
@@ -36,6 +36,7 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from accel.compiler.unpadded_attention import ACCEL_SDPA, SDPA
@@ -55,8 +56,10 @@ FIRST_TOKEN_HEADS = frozenset({
 # model types are named because the layer's attributes do not show what its attention does (Olmo's clips q, k, v).
 LAST_TOKEN_HEADS = frozenset({"LlamaForSequenceClassification", "MistralForSequenceClassification",
                               "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification",
-                              "GemmaForSequenceClassification"})
-DECODER_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma"})
+                              "GemmaForSequenceClassification", "Phi3ForSequenceClassification"})
+DECODER_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"})
+# Phi-3's decoder layer: Llama's, with one fused query/key/value projection and a dropout on each residual branch
+_PHI3_LAYER = ("resid_attn_dropout", "resid_mlp_dropout")
 # Attention implementations whose mask is None or a tensor with a query dimension that can be cut.
 _ATTENTION = (SDPA, ACCEL_SDPA, "eager")
 _CACHE_KWARGS = ("cache", "past_key_values")  # the key/value cache's keyword in transformers >= 5.24, and before
@@ -205,8 +208,9 @@ class _LastLayerForward(InstanceForward):
         if window is not None:
             kwargs["sliding_window"] = window
         context, _ = attend(attn, query, key, value, attention_mask, **kwargs)
-        hidden = _take_rows(hidden_states, rows) + attn.o_proj(context.reshape(batch, rows.shape[1], -1))
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        attn_dropout, mlp_dropout = (getattr(layer, name, _identity) for name in _PHI3_LAYER)
+        hidden = _take_rows(hidden_states, rows) + attn_dropout(attn.o_proj(context.reshape(batch, rows.shape[1], -1)))
+        return hidden + mlp_dropout(layer.mlp(layer.post_attention_layernorm(hidden)))
 
 
 def read_token(model: nn.Module, args, kwargs) -> tuple | None:
@@ -236,10 +240,24 @@ def last_token_rows(input_ids: torch.Tensor | None, pad: int | None, batch: int,
 
 def _decoder_heads(attn: nn.Module, name: str, inputs: torch.Tensor) -> torch.Tensor:
     """A Llama-like attention's projection `name` ("q", "k", "v") of [B, L, H] as [B, heads, L, head_dim], through
-    its per-head RMSNorm where it has one (Qwen3's q_norm, k_norm)."""
-    states = getattr(attn, f"{name}_proj")(inputs).view(*inputs.shape[:2], -1, attn.head_dim)
+    its per-head RMSNorm where it has one (Qwen3's q_norm, k_norm). Phi-3's fused qkv_proj holds the queries' rows of
+    its weight first, then the keys', then the values': each is computed from its own rows alone."""
+    projection = getattr(attn, f"{name}_proj", None)
+    if projection is not None:
+        states = projection(inputs)
+    else:
+        queries = attn.config.num_attention_heads * attn.head_dim
+        pairs = attn.num_key_value_heads * attn.head_dim
+        start, stop = {"q": (0, queries), "k": (queries, queries + pairs), "v": (queries + pairs, None)}[name]
+        bias = attn.qkv_proj.bias
+        states = F.linear(inputs, attn.qkv_proj.weight[start:stop], None if bias is None else bias[start:stop])
+    states = states.view(*inputs.shape[:2], -1, attn.head_dim)
     norm = getattr(attn, f"{name}_norm", None)
     return (states if norm is None else norm(states)).transpose(1, 2)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _mask_rows(attention_mask: torch.Tensor, batch: int, rows: torch.Tensor) -> torch.Tensor:
@@ -339,15 +357,20 @@ def _post_norm_layer(layer: nn.Module) -> bool:
 def _decoder_layer(layer: nn.Module) -> bool:
     """Whether `layer` is built like LlamaDecoderLayer: input_layernorm, self_attn (q/k/v/o projections, per-head
     q_norm/k_norm optional, causal, rotary positions from its model file), post_attention_layernorm and mlp, and
-    nothing else."""
+    nothing else; or like Phi3DecoderLayer (the same with one qkv_proj and a dropout layer on each residual branch)."""
     attn = getattr(layer, "self_attn", None)
-    if attn is None or {name for name, _ in layer.named_children()} != {
-            "self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}:
+    llama = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+    children = {name for name, _ in layer.named_children()}
+    phi3 = children == llama | set(_PHI3_LAYER)
+    if attn is None or not (children == llama or phi3):
         return False
-    projections = {"q_proj", "k_proj", "v_proj", "o_proj"}
+    if phi3 and not all(isinstance(getattr(layer, name), nn.Dropout) for name in _PHI3_LAYER):
+        return False
+    projections = {"qkv_proj", "o_proj"} if phi3 else {"q_proj", "k_proj", "v_proj", "o_proj"}
     return ({name for name, _ in attn.named_children()} in (projections, projections | {"q_norm", "k_norm"})
             and all(isinstance(getattr(attn, n), nn.Linear) for n in projections)
-            and all(hasattr(attn, n) for n in ("head_dim", "scaling", "layer_idx", "config"))
+            and all(hasattr(attn, n) for n in ("head_dim", "scaling", "layer_idx", "config")
+                    + (("num_key_value_heads",) if phi3 else ()))
             and getattr(attn, "is_causal", False) is True and _eager_attention(attn) is not None
             and callable(getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)))
 

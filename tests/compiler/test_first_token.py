@@ -263,8 +263,10 @@ def _decoder_batch(padding: str = "right"):
 
 
 def _decoder_query_lengths(model) -> list[int]:
+    """The tokens a row the last layer's attention output projection sees a call: the queries it computed (every
+    family has an o_proj; Phi-3 has no q_proj)."""
     seen = []
-    model.base_model.layers[-1].self_attn.q_proj.register_forward_hook(
+    model.base_model.layers[-1].self_attn.o_proj.register_forward_hook(
         lambda module, args, out: seen.append(args[0].shape[-2]))
     return seen
 
@@ -310,6 +312,20 @@ def test_decoder_classifiers_with_a_sliding_window_shorter_than_the_rows(name, s
         unwindowed = _decoder_model(name.replace("Mistral", "Llama").replace("Qwen2", "Llama"))
         unwindowed.load_state_dict(model.state_dict(), strict=False)
         assert not torch.allclose(unwindowed(**batch).logits, reference(**batch).logits, atol=1e-4)
+    assert queries == [1]
+
+
+@pytest.mark.parametrize("settings", [dict(partial_rotary_factor=0.5), dict(sliding_window=4)],
+                         ids=["partial_rotary", "sliding_window"])
+def test_phi3_classifier_rotates_part_of_each_head_and_keeps_its_window(settings):
+    """Phi-3's fused projection, its partial rotary embedding (half of each head rotated) and its sliding window
+    (its eager attention, transformers' own window mask, is the reference)."""
+    model = _decoder_model("Phi3ForSequenceClassification", "sdpa", **settings)
+    reference = _decoder_model("Phi3ForSequenceClassification", "eager", **settings)
+    reference.load_state_dict(model.state_dict())
+    assert first_token_only(model)
+    queries = _decoder_query_lengths(model)
+    _assert_same_step(_step(model, _decoder_batch("right")), _step(reference, _decoder_batch("right")))
     assert queries == [1]
 
 
