@@ -7,7 +7,7 @@ the attention."""
 import torch
 import torch.nn.functional as F
 
-from accel.compiler.unpadded_attention import _plain_self_attention
+from accel.compiler.unpadded_attention import _plain_module_attention
 
 from . import Case
 
@@ -26,7 +26,7 @@ def _case(batch: int, length: int, padded: bool, causal: bool = False) -> Case:
     module.is_causal = causal  # the plain way makes a causal module's missing mask explicit, as ACCEL_SDPA does
 
     def plain(q, k, v):
-        return _plain_self_attention(module, q, k, v, mask, None)
+        return _plain_module_attention(module, q, k, v, mask, None)
 
     def sdpa(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,

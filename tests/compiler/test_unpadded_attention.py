@@ -382,6 +382,15 @@ def test_causal_training_attention_in_plain_ops_matches_sdpa(monkeypatch, head, 
     if padded:  # right padding: the mask holds causality and padding, no is_causal
         ids[1:, 6:] = 0
         batch["attention_mask"] = (ids != 0).long()
+    _train_plain_against_sdpa(monkeypatch, model, reference, batch, compiled, lambda name: "self_attn" in name,
+                              calls_without_gradients=model.config.num_hidden_layers)
+
+
+def _train_plain_against_sdpa(monkeypatch, model, reference, batch, compiled: bool, is_attention,
+                              calls_without_gradients: int) -> None:
+    """One bf16 training call of `model` (told to take plain ops) against the fp32 SDPA `reference`: no SDPA call,
+    the logits, the loss and the gradients of the parameters is_attention(name) picks to bf16's precision; a call
+    without gradients then takes SDPA calls_without_gradients times."""
     want = reference(**batch)
     want.loss.backward()
     calls = _sdpa_calls(monkeypatch)
@@ -392,12 +401,12 @@ def test_causal_training_attention_in_plain_ops_matches_sdpa(monkeypatch, head, 
     torch.testing.assert_close(got.logits.float(), want.logits, rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(got.loss.float(), want.loss, rtol=3e-2, atol=3e-2)
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
-        if "self_attn" in name:
+        if is_attention(name):
             torch.testing.assert_close(a.grad.float(), b.grad, rtol=6e-2, atol=6e-2 * b.grad.abs().max().item(),
                                        msg=name)
     with torch.no_grad():
         run(**batch)
-    assert len(calls) == model.config.num_hidden_layers
+    assert len(calls) == calls_without_gradients
 
 
 @pytest.mark.parametrize("window", [4, 4096], ids=["window_cuts", "window_longer_than_rows"])
@@ -576,24 +585,10 @@ def test_an_encoder_decoder_trains_every_attention_in_plain_ops(monkeypatch, com
     model, reference = _bart(), _bart()
     assert unpadded_attention(model, plain_training=True, plain_causal=True)
     model.to(torch.bfloat16)
-    batch = _bart_batch(padded)
-    want = reference(**batch)
-    want.loss.backward()
-    calls = _sdpa_calls(monkeypatch)
-    run = torch.compile(model, dynamic=False) if compiled else model
-    got = run(**batch)
-    got.loss.backward()
-    assert calls == []
-    torch.testing.assert_close(got.logits.float(), want.logits, rtol=3e-2, atol=3e-2)
-    torch.testing.assert_close(got.loss.float(), want.loss, rtol=3e-2, atol=3e-2)
-    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
-        # a key bias moves every score of a query alike, which softmax ignores: its gradient is 0 up to rounding
-        if "attn" in name and not name.endswith("k_proj.bias"):
-            torch.testing.assert_close(a.grad.float(), b.grad, rtol=6e-2, atol=6e-2 * b.grad.abs().max().item(),
-                                       msg=name)
-    with torch.no_grad():
-        run(**batch)
-    assert len(calls) == 6  # without gradients: SDPA, 2 encoder + 2 x 2 decoder layers' attentions
+    # a key bias moves every score of a query alike, which softmax ignores: its gradient is 0 up to rounding;
+    # without gradients SDPA: 2 encoder + 2 x 2 decoder layers' attentions
+    _train_plain_against_sdpa(monkeypatch, model, reference, _bart_batch(padded), compiled,
+                              lambda name: "attn" in name and not name.endswith("k_proj.bias"), calls_without_gradients=6)
 
 
 def test_plain_cross_attention_stops_at_its_length(monkeypatch):
