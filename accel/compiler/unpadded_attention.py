@@ -181,10 +181,14 @@ def _plain_module_attention(module: nn.Module, query, key, value, attention_mask
 
 def _per_sample(module: nn.Module, query, key, segments, dropout: float, kwargs: dict) -> bool:
     """Whether a call given packed rows' segment ids computes, with varlen_attention, what its document mask gives:
-    self-attention over the whole row on the CPU, without dropout, a sliding window, soft-capping or a bias."""
-    return (query.device.type == "cpu" and query.shape[2] == key.shape[2] == segments.shape[1]
-            and not (dropout > 0 and module.training) and getattr(module, "sliding_window", None) is None
-            and all(kwargs.get(name) is None for name in ("sliding_window",) + _SDPA_ONLY_KWARGS))
+    self-attention over the whole row on the CPU, without dropout, soft-capping or a bias, and without a sliding
+    window that cuts inside the row (a key is out of a window W where it is W or more tokens behind the query: a
+    window as long as the row cuts nothing, e.g. Mistral's 4096 over rows of 1024)."""
+    length = segments.shape[1]
+    windows = (kwargs.get("sliding_window"), getattr(module, "sliding_window", None))
+    return (query.device.type == "cpu" and query.shape[2] == key.shape[2] == length
+            and not (dropout > 0 and module.training) and all(w is None or w >= length for w in windows)
+            and all(kwargs.get(name) is None for name in _SDPA_ONLY_KWARGS))
 
 
 def _attention(sdpa_forward):

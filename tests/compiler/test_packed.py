@@ -381,6 +381,11 @@ def _decoder(family, attn_implementation):
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0, attn_implementation=attn_implementation))
+    if family == "mistral":  # a sliding window longer than the rows (Mistral's 4096 over rows of 1024): cuts nothing
+        return transformers.MistralForCausalLM(transformers.MistralConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64, max_position_embeddings=32, sliding_window=24,
+            attn_implementation=attn_implementation))
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=64, max_position_embeddings=32, attn_implementation=attn_implementation))
@@ -629,7 +634,7 @@ def _varlen_model(family, plain_training=False, plain_causal=False):
 
 @pytest.mark.parametrize("markers", [(False, False), (True, True), (True, False), (False, True)],
                          ids=["flash", "plain", "plain_bidirectional", "plain_causal"])
-@pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert", "mistral"])
 def test_accel_sdpa_computes_each_packed_sample_alone_on_the_cpu(monkeypatch, family, markers):
     """Packed rows with "accel_sdpa" attention on the CPU: each sample's attention is the flash kernel over that
     sample alone, or plain products where the model was told (accel.runtime.nn.varlen_attention: the work of the
