@@ -196,26 +196,20 @@ if want bert_base; then
     --budget-s $(( BERT_S > 160 ? BERT_S - 100 : 60 ))
   collect_results
 fi
-if want causal_lm; then
-  # shellcheck disable=SC2086  # CAUSAL_ARGS is a list of words
-  step causal_lm "$(budget causal_lm 240)" "$PY" benchmarks/causal_lm.py ${CAUSAL_ARGS:-}
+# One workload's benchmark, only when named: benchmarks/<name>.py with the words of its *_ARGS variable
+benchmark_step() {  # name, default budget in seconds, the benchmark's arguments
+  local name=$1 seconds=$2
+  shift 2
+  step "$name" "$(budget "$name" "$seconds")" "$PY" "benchmarks/$name.py" "$@"
   collect_results
-fi
-if want vit_base; then
-  # shellcheck disable=SC2086  # VIT_ARGS is a list of words
-  step vit_base "$(budget vit_base 200)" "$PY" benchmarks/vit_base.py ${VIT_ARGS:-}
-  collect_results
-fi
-if want decoder_classifier; then
-  # shellcheck disable=SC2086  # CLASSIFIER_ARGS is a list of words
-  step decoder_classifier "$(budget decoder_classifier 200)" "$PY" benchmarks/decoder_classifier.py ${CLASSIFIER_ARGS:-}
-  collect_results
-fi
-if want model_families; then
-  # shellcheck disable=SC2086  # FAMILIES_ARGS is a list of words
-  step model_families "$(budget model_families 300)" "$PY" benchmarks/model_families.py ${FAMILIES_ARGS:-}
-  collect_results
-fi
+}
+# shellcheck disable=SC2086  # each *_ARGS is a list of words
+{
+  if want causal_lm; then benchmark_step causal_lm 240 ${CAUSAL_ARGS:-}; fi
+  if want vit_base; then benchmark_step vit_base 200 ${VIT_ARGS:-}; fi
+  if want decoder_classifier; then benchmark_step decoder_classifier 200 ${CLASSIFIER_ARGS:-}; fi
+  if want model_families; then benchmark_step model_families 300 ${FAMILIES_ARGS:-}; fi
+}
 if want step_profile; then
   # where the step's time goes, peer against accel, at the size where accel leads least (a compile per mode)
   TORCH_LOGS="${TORCH_LOGS:-perf_hints}" step step_profile "$(budget step_profile 200)" "$PY" benchmarks/step_profile.py --size "${PROFILE_SIZE:-32x128}" \
