@@ -55,14 +55,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from accel.data.resumable import (
-    CountedLoader,
-    ResumableLoader,
-    _keeps_own_state,
-    host_rng_state,
-    set_host_rng_state,
-)
+from accel.data.resumable import CountedLoader, ResumableLoader, _keeps_own_state
 from accel.utils.atomic_file import atomic_write
+from accel.utils.rng import host_rng_state, set_host_rng_state
 
 __all__ = ["load_state", "save_state", "wait_for_save"]
 

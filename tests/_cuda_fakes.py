@@ -152,12 +152,13 @@ def nested_batches(n, log):
              "name": f"batch{k}"} for k in range(n)]
 
 
-def event_after(fakes, copies, side, consumer):
+def event_after(fakes, copies, side, consumer, by_worker=True):
     """(log index of the event recorded after the copies at `copies`, log index of the wait for it);
-    checks the event is recorded on `side` by the background thread, after the last of those copies and
-    before any later copy, and waited for once, on `consumer`, by the training thread."""
+    checks the event is recorded on `side` by the background thread (by_worker; else the training thread),
+    after the last of those copies and before any later copy, and waited for once, on `consumer`, by the
+    training thread."""
     recorded_at, record = min((i, e) for i, e in fakes.find("record_event") if i > max(copies))
-    assert record.args[0] is side and record.on_worker()
+    assert record.args[0] is side and record.on_worker() == by_worker
     assert all(i > recorded_at for i, _ in fakes.find("copy") if i > max(copies))
     waited_at, wait = fakes.only("wait_event", lambda e: e.args[1] is record.args[1])
     assert wait.args[0] is consumer and wait.thread == "MainThread"
@@ -180,15 +181,17 @@ def nested_batches_one_pinned(fakes, n=3):
     return batches, batches[1]["tokens"]
 
 
-def assert_copied_on_side_stream_of_cuda1(fakes, batches, seen, already_pinned):
+def assert_copied_on_side_stream_of_cuda1(fakes, batches, seen, already_pinned, read_when_asked=0):
     """`seen[k]` is `batches[k]` (from nested_batches) as the training loop got it, on cuda:1, logged as
-    "loop_gets" when the loop got it. Checks every pin, copy, event, wait and record_stream of each batch."""
+    "loop_gets" when the loop got it. Checks every pin, copy, event, wait and record_stream of each batch.
+    The first `read_when_asked` batches are pinned and copied by the training thread, the rest by the worker."""
     side = fakes.only("new_stream", lambda e: True)[1].args[0]
     assert side.device == torch.device("cuda", 1)
     consumer = fakes.defaults[1]
     assert len(seen) == len(batches)
-    for host, got in zip(batches, seen):
+    for k, (host, got) in enumerate(zip(batches, seen)):
         assert_same_values(got, host)
+        by_worker = k >= read_when_asked
         yielded_at, _ = fakes.only("loop_gets", lambda e: e.args[0] is got)
         leaves = iter_tensors(got)
         host_leaves = iter_tensors(host)
@@ -196,22 +199,22 @@ def assert_copied_on_side_stream_of_cuda1(fakes, batches, seen, already_pinned):
 
         copies = []
         for leaf, source in zip(leaves, host_leaves):
-            # Each device tensor was copied on the side stream of cuda:1, by the background thread, from
-            # page-locked memory: pinned there too (under cuda:1), unless it already was.
+            # Each device tensor was copied on the side stream of cuda:1, by the background thread (or the
+            # training thread), from page-locked memory: pinned there too (under cuda:1), unless it already was.
             at, copy = fakes.only("copy", lambda e, leaf=leaf: e.args[1] is leaf)
             src, _, stream, current_device, target = copy.args
             assert stream is side and current_device == 1 and target == torch.device("cuda", 1)
-            assert copy.on_worker()
+            assert copy.on_worker() == by_worker
             if source is already_pinned:
                 assert src is source and fakes.find("pin", lambda e, s=source: e.args[0] is s) == []
             else:
                 pinned_at, pin = fakes.only("pin", lambda e, s=src: e.args[1] is s)
-                assert pin.args[0] is source and pin.on_worker() and pin.args[2] == 1 and pinned_at < at
+                assert pin.args[0] is source and pin.on_worker() == by_worker and pin.args[2] == 1 and pinned_at < at
             copies.append(at)
 
         # The event is recorded on the side stream after the batch's last copy, and the training thread's
         # stream waits on exactly that event before the batch reaches the loop ...
-        recorded_at, waited_at = event_after(fakes, copies, side, consumer)
+        recorded_at, waited_at = event_after(fakes, copies, side, consumer, by_worker)
         assert recorded_at < waited_at < yielded_at
         # ... and every tensor is record_stream()-ed on that stream, after the wait, before the loop gets it.
         for leaf in leaves:

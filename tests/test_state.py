@@ -486,12 +486,18 @@ def test_set_epoch_to_another_epoch_drops_the_position():
         assert len(list(again)) == STEPS_PER_EPOCH - 2
 
 
-def _accelerated(seed: int = 0):
+def _noisy_collate(samples):
+    """default_collate plus noise from torch's generator: random augmentation in a main-process collate_fn."""
+    x, y, index = torch.utils.data.default_collate(samples)
+    return x + 0.1 * torch.randn(x.shape), y, index
+
+
+def _accelerated(seed: int = 0, collate_fn=None):
     import accel
 
     config = accel.Config(backend="cpu")
     config.compute.compile = False
-    loader = DataLoader(_Indexed(), batch_size=BATCH, shuffle=True)
+    loader = DataLoader(_Indexed(), batch_size=BATCH, shuffle=True, collate_fn=collate_fn)
     model, loader = accel.accelerate(_model(seed), loader, config)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2), loader
 
@@ -511,17 +517,19 @@ def _train_accelerated(model, optimizer, loader, steps, path=None, epochs=EPOCHS
     return seen
 
 
+@pytest.mark.parametrize("collate_fn", [None, _noisy_collate], ids=["plain", "random_collate"])
 @pytest.mark.parametrize("stop_at", [3, STEPS_PER_EPOCH, STEPS_PER_EPOCH + 2])
-def test_accelerate_loader_resumes_without_set_epoch_calls(tmp_path, stop_at):
-    # The loader accelerate() returns is resumable as it is, and numbers its epochs itself.
+def test_accelerate_loader_resumes_without_set_epoch_calls(tmp_path, stop_at, collate_fn):
+    # The loader accelerate() returns is resumable as it is, and numbers its epochs itself; a collate_fn that
+    # draws from torch's generator (which the model's dropout draws from too) resumes exactly as well.
     torch.manual_seed(0)
-    model, optimizer, loader = _accelerated()
+    model, optimizer, loader = _accelerated(collate_fn=collate_fn)
     whole = _train_accelerated(model, optimizer, loader, steps=None)
     torch.manual_seed(0)
-    a_model, a_optimizer, a_loader = _accelerated()
+    a_model, a_optimizer, a_loader = _accelerated(collate_fn=collate_fn)
     head = _train_accelerated(a_model, a_optimizer, a_loader, steps=stop_at, path=tmp_path / "ckpt.pt")
     _scramble_rngs()
-    b_model, b_optimizer, b_loader = _accelerated(seed=1)
+    b_model, b_optimizer, b_loader = _accelerated(seed=1, collate_fn=collate_fn)
     load_state(tmp_path / "ckpt.pt", b_model, b_optimizer, dataloader=b_loader)
     # the rest of the interrupted pass (empty when it stopped at its last batch), then the epochs after it
     interrupted = (stop_at - 1) // STEPS_PER_EPOCH

@@ -34,9 +34,12 @@ END = _End()
 
 
 class TransferPipeline:
-    def __init__(self, loader, device: torch.device, loader_prefetch_size: int, device_prefetch_size: int,
+    """transfer() and claim() move one batch; start(iterator) starts the threads that read the rest of the
+    iterator and move its batches ahead of next_item()."""
+
+    def __init__(self, device: torch.device, loader_prefetch_size: int, device_prefetch_size: int,
                  name: str, input_sharding=None):
-        self.loader = loader
+        self.iterator = None
         self.device = device
         self.input_sharding = input_sharding  # XLA SPMD: how each batch tensor is split over the devices
         self.stop = threading.Event()
@@ -45,9 +48,15 @@ class TransferPipeline:
         # The same side-stream copy as the Prefetcher's: pinned and started in the copy thread, claimed
         # by the consumer (see claim).
         self.copier = SideStreamCopy(device) if device.type == "cuda" else None
+        self.name = name
+        self.threads: list[threading.Thread] = []
+
+    def start(self, iterator) -> None:
+        """Read `iterator` (a pass's, begun by the caller) to its end in the background."""
+        self.iterator = iterator
         self.threads = [
-            threading.Thread(target=self._read_loader, name=f"{name}-read", daemon=True),
-            threading.Thread(target=self._copy_to_device, name=f"{name}-copy", daemon=True),
+            threading.Thread(target=self._read_loader, name=f"{self.name}-read", daemon=True),
+            threading.Thread(target=self._copy_to_device, name=f"{self.name}-copy", daemon=True),
         ]
         for thread in self.threads:
             thread.start()
@@ -71,9 +80,8 @@ class TransferPipeline:
         return None
 
     def _read_loader(self) -> None:
-        iterator = None
+        iterator, self.iterator = self.iterator, None
         try:
-            iterator = iter(self.loader)
             while not self.stop.is_set():
                 try:
                     batch = next(iterator)

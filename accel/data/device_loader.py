@@ -3,7 +3,9 @@
 Same call as torch_xla's `pl.MpDeviceLoader(loader, device)` (the TorchAcc guide's), but it also works
 for cpu and cuda devices: on cpu it is a prefetching thread, on cuda it copies from pinned memory on a
 side stream, on XLA it uploads in the background and marks the step boundary each time the training loop
-asks for the next batch, as torch_xla's loader does.
+asks for the next batch, as torch_xla's loader does. Unlike torch_xla's, it reads a loader whose reads draw
+from the host's global RNGs (random masking or augmentation with num_workers=0) when the loop asks for each
+batch, so a seed reproduces the run and a checkpoint resumes it exactly (see _DeviceLoaderIterator).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import weakref
 from accel.data._pipeline import END, TransferPipeline, _Failure
 from accel.utils.batch import resolve_device
 from accel.utils.loader import LoaderWrapper
+from accel.utils.rng import draws_from_host_rngs
 from accel.utils.xla import is_xla_device, mark_step
 
 _OPTIONS = ("loader_prefetch_size", "device_prefetch_size", "input_sharding")
@@ -24,12 +27,19 @@ def _positive_int(name: str, value) -> int:
 
 
 class _DeviceLoaderIterator:
-    """One pass over the loader. Dropping it (or exhausting it) stops its threads."""
+    """One pass over the loader. Dropping it (or exhausting it) stops its threads.
+
+    The first two batches are read in the training thread when the loop asks for them; the rest are read ahead
+    by the pipeline's threads, unless the second read drew from the host's global RNGs: then every batch is
+    read when asked, as the Prefetcher does and for the same reason (see accel.runtime.io.prefetcher)."""
 
     def __init__(self, loader, device, loader_prefetch_size: int, device_prefetch_size: int, input_sharding=None):
-        self._device = device
+        self._loader = loader
+        self._iterator = None
+        self._reads = 0
+        self._ahead = False
         self._is_xla = is_xla_device(device)
-        self._pipeline = TransferPipeline(loader, device, loader_prefetch_size, device_prefetch_size,
+        self._pipeline = TransferPipeline(device, loader_prefetch_size, device_prefetch_size,
                                           name="accel-MpDeviceLoader", input_sharding=input_sharding)
         self._len = len(loader) if hasattr(loader, "__len__") else None
         self._closed = False
@@ -42,13 +52,42 @@ class _DeviceLoaderIterator:
             raise TypeError("the wrapped loader has no len()")
         return self._len
 
+    def _read_on_demand(self):
+        def read():
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                return END
+            return self._pipeline.transfer(batch)
+
+        if self._iterator is None:
+            self._iterator = iter(self._loader)
+        if self._reads == 1:
+            item, drew = draws_from_host_rngs(read)
+            if not drew and item is not END:
+                self._ahead = True
+                # the read thread holds the iterator from now on (dropping it there stops DataLoader workers)
+                iterator, self._iterator = self._iterator, None
+                self._pipeline.start(iterator)
+        else:
+            item = read()
+        self._reads += 1
+        return item
+
     def __next__(self):
         if self._closed:
             raise StopIteration
         if self._is_xla:
             # The previous batch's step ends here: cut and run its lazy graph, as torch_xla's loader does.
             mark_step()
-        item = self._pipeline.next_item()
+        if self._ahead:
+            item = self._pipeline.next_item()
+        else:
+            try:
+                item = self._read_on_demand()
+            except BaseException:
+                self.close()
+                raise
         if item is END:
             self.close()
             raise StopIteration
@@ -62,6 +101,7 @@ class _DeviceLoaderIterator:
         if not self._closed:
             self._closed = True
             self._pipeline.close()
+            self._iterator = None  # a DataLoader iterator dropped shuts its worker processes down
 
     def __del__(self):
         try:

@@ -39,53 +39,18 @@ from __future__ import annotations
 
 import copy
 import operator
-import random
 import warnings
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from accel.utils.loader import LoaderWrapper
+from accel.utils.rng import host_rng_state, set_host_rng_state
 
 __all__ = ["ResumableLoader"]
 
 _STATE_VERSION = 1
-
-
-# ---------------------------------------------------------------- host RNG states (weights_only-loadable)
-def _numpy():
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy
-
-
-def host_rng_state() -> dict:
-    """The python, numpy (when installed) and torch CPU RNG states, as tensors, ints, floats and tuples
-    only, so torch.load(weights_only=True) reads them back."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    np = _numpy()
-    if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        # An ndarray would need an allow-list under weights_only; an int64 tensor holds uint32 exactly.
-        state["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-    return state
-
-
-def set_host_rng_state(state: dict) -> None:
-    """Restore what host_rng_state() returned."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(state["torch"])
-    saved_np = state.get("numpy")
-    np = _numpy()
-    if saved_np is not None and np is not None:
-        keys = saved_np["keys"].numpy().astype(np.uint32)
-        np.random.set_state((saved_np["kind"], keys, saved_np["pos"], saved_np["has_gauss"],
-                             saved_np["cached_gaussian"]))
 
 
 # ---------------------------------------------------------------- the resumed pass

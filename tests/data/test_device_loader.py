@@ -6,7 +6,7 @@ import traceback
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 import accel.data.device_loader as device_loader_module
 from accel.data import MpDeviceLoader
@@ -78,13 +78,46 @@ def test_batch_encoding_keeps_its_type():
 
 
 def test_reads_ahead_of_the_training_loop():
-    second_read = threading.Event()
-    dataset = Numbers(4, on_get=lambda i: second_read.set() if i == 1 else None)
-    iterator = iter(MpDeviceLoader(DataLoader(dataset, batch_size=1), "cpu"))
-    next(iterator)
-    # The loop has not asked for batch 1 yet; the background thread reads it anyway.
-    assert second_read.wait(10)
+    reads = []
+    third_read = threading.Event()
+
+    def on_get(i):
+        reads.append(threading.current_thread().name)
+        if i == 2:
+            third_read.set()
+
+    iterator = iter(MpDeviceLoader(DataLoader(Numbers(6, on_get=on_get), batch_size=1), "cpu"))
+    next(iterator), next(iterator)
+    # The loop has not asked for batch 2 yet; the background thread reads it anyway. The first two were read
+    # when the loop asked (the second probes for random draws, see the next test).
+    assert third_read.wait(10)
+    assert reads[:2] == ["MainThread"] * 2 and reads[2] == "accel-MpDeviceLoader-read"
     iterator.close()
+
+
+def _noisy_collate(samples):
+    """default_collate, then noise from torch's generator: random augmentation with num_workers=0."""
+    batch = default_collate(samples)
+    batch["x"] = batch["x"] + torch.rand(batch["x"].shape)
+    return batch
+
+
+def test_loader_that_draws_random_numbers_is_read_when_asked():
+    # Its batches and the loop's own draws equal a plain loop's over the DataLoader under the same seed.
+    def steps(batches):
+        return [(b["x"].clone(), torch.rand(2)) for b in batches]
+
+    torch.manual_seed(0)
+    want = steps(DataLoader(Numbers(10), batch_size=2, shuffle=True, collate_fn=_noisy_collate))
+    torch.manual_seed(0)
+    reads = []
+    loader = DataLoader(Numbers(10, on_get=lambda i: reads.append(threading.current_thread().name)), batch_size=2,
+                        shuffle=True, collate_fn=_noisy_collate)
+    got = steps(MpDeviceLoader(loader, "cpu"))
+    assert len(got) == len(want) == 5
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got, want))
+    assert set(reads) == {"MainThread"}
+    assert _wait_for_no_loader_threads() == []
 
 
 def test_loader_exception_reraised_with_type_and_traceback():
@@ -197,7 +230,8 @@ def test_cuda_batches_match_host_batches():
 
 def test_cuda_copies_go_through_the_prefetchers_side_stream_copy(monkeypatch):
     # No GPU here: tests/_cuda_fakes.py logs the CUDA calls, and the loader must make the same ones, in the
-    # same order, as the Prefetcher (pinned and copied on cuda:1 in the copy thread, claimed in this one).
+    # same order, as the Prefetcher (pinned and copied on cuda:1 in the copy thread, from the third batch on,
+    # claimed in this one).
     fakes = CudaFakes(monkeypatch, worker_prefix="accel-MpDeviceLoader")
     batches, already_pinned = nested_batches_one_pinned(fakes)
     seen = []
@@ -205,4 +239,4 @@ def test_cuda_copies_go_through_the_prefetchers_side_stream_copy(monkeypatch):
         fakes.add("loop_gets", batch)
         seen.append(batch)
     assert _wait_for_no_loader_threads() == []
-    assert_copied_on_side_stream_of_cuda1(fakes, batches, seen, already_pinned)
+    assert_copied_on_side_stream_of_cuda1(fakes, batches, seen, already_pinned, read_when_asked=2)

@@ -1,12 +1,14 @@
 """Prefetcher (the guide's IO optimisation): batches on the device, in order, with or without the
 prefetch_CPU/prefetch_GPU calls; preprocess_fn, errors, early exit, epochs."""
 import gc
+import random
 import threading
 import traceback
 
+import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from accel.runtime.io.prefetcher import Prefetcher, _Worker
 from accel.utils.batch import iter_tensors, move_to_device
@@ -77,12 +79,20 @@ def test_preprocess_fn_runs_on_each_device_batch(call_prefetch):
 
 
 def test_reads_ahead_without_being_asked():
-    second_read = threading.Event()
-    dataset = Numbers(4, on_get=lambda i: second_read.set() if i == 1 else None)
-    prefetcher = Prefetcher(DataLoader(dataset, batch_size=1), device="cpu")
+    reads = []  # (index, thread) of every sample read
+    third_read = threading.Event()
+
+    def on_get(i):
+        reads.append((i, threading.current_thread().name))
+        if i == 2:
+            third_read.set()
+
+    prefetcher = Prefetcher(DataLoader(Numbers(4, on_get=on_get), batch_size=1), device="cpu")
     it = iter(prefetcher)
-    next(it)
-    assert second_read.wait(10)  # batch 1 is read while the loop is still on batch 0
+    next(it), next(it)
+    assert third_read.wait(10)  # batch 2 is read while the loop is still on batch 1
+    # the first two when the loop asked for them (the second is the probe for random draws), then ahead
+    assert reads[:2] == [(0, "MainThread"), (1, "MainThread")] and reads[2] == (2, "accel-Prefetcher")
     prefetcher.close()
 
 
@@ -93,7 +103,7 @@ def test_guide_calls_keep_the_read_ahead():
     prefetcher = Prefetcher(DataLoader(Numbers(5, on_get=lambda i: read[i].set()), batch_size=1), device="cpu")
     for step, batch in enumerate(prefetcher):
         assert int(batch["id"]) == step
-        if step + 1 < 5:
+        if 1 <= step < 4:  # from the probe on (batch 1)
             assert read[step + 1].wait(10), f"batch {step + 1} was not read ahead during step {step}"
         prefetcher.prefetch_CPU()
         prefetcher.prefetch_GPU()
@@ -106,14 +116,93 @@ def test_inline_reads_one_batch_ahead_in_the_training_thread():
     prefetcher = Prefetcher(DataLoader(dataset, batch_size=1), device="cpu", background=False)
     seen = []
     for batch in prefetcher:
-        # batch k arrives with batch k + 1 read already (the next one is read as this one is handed over)
+        # from batch 1 (the probe) on, batch k arrives with batch k + 1 read already
         seen.append((int(batch["id"]), len(reads)))
         prefetcher.prefetch_CPU()  # the guide's calls find the next batch under way: they read nothing more
         prefetcher.prefetch_GPU()
-        assert len(reads) == min(seen[-1][0] + 2, 5)
-    assert seen == [(0, 2), (1, 3), (2, 4), (3, 5), (4, 5)]
+        assert len(reads) == seen[-1][1]
+    assert seen == [(0, 1), (1, 3), (2, 4), (3, 5), (4, 5)]
     assert {thread for _, thread in reads} == {threading.current_thread().name}
     assert _prefetch_threads() == []
+
+
+class _NoisyNumbers(Numbers):
+    """Numbers whose samples get noise from one of the host's global RNGs, as random augmentation does."""
+
+    def __init__(self, n, source, on_get=None):
+        super().__init__(n, on_get=on_get)
+        self.source = source
+
+    def __getitem__(self, i):
+        sample = super().__getitem__(i)
+        noise = {"torch": lambda: float(torch.rand(())), "python": random.random,
+                 "numpy": lambda: float(np.random.rand())}[self.source]()
+        sample["x"] = sample["x"] + noise
+        return sample
+
+
+def _masking_collate(samples):
+    """default_collate, then a random mask drawn from torch's generator (as an MLM collator masks tokens)."""
+    batch = default_collate(samples)
+    batch["x"] = batch["x"] * (torch.rand(batch["x"].shape) > 0.3)
+    return batch
+
+
+def _steps_drawing_random_numbers(batches) -> list:
+    """A training loop's use of each batch that draws from every host RNG itself (CPU dropout and the like)."""
+    out = []
+    for batch in batches:
+        kept = torch.nn.functional.dropout(batch["x"], 0.5, training=True)
+        out.append((batch["x"].clone(), kept * random.random() * float(np.random.rand())))
+    return out
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["thread", "inline"])
+@pytest.mark.parametrize("source", ["torch_collate", "torch", "python", "numpy", "preprocess_fn"])
+def test_loaders_that_draw_random_numbers_are_read_when_asked(source, background):
+    # Reads that draw from the global RNGs happen in the training thread when the loop asks for each batch, as
+    # without a Prefetcher: the loop's results equal a plain loop's over the DataLoader, bit for bit.
+    def build(on_get=None):
+        dataset = _NoisyNumbers(12, source, on_get) if source in ("torch", "python", "numpy") else Numbers(12, on_get=on_get)
+        return DataLoader(dataset, batch_size=2, shuffle=True,
+                          collate_fn=_masking_collate if source == "torch_collate" else None)
+
+    def preprocess(batch):
+        return {**batch, "x": batch["x"] + torch.randn(batch["x"].shape)}
+
+    def seeded():
+        torch.manual_seed(0), random.seed(0), np.random.seed(0)
+
+    seeded()
+    plain = build()
+    want = _steps_drawing_random_numbers(map(preprocess, plain) if source == "preprocess_fn" else plain)
+    reads = []
+    seeded()
+    prefetcher = Prefetcher(build(on_get=lambda i: reads.append(threading.current_thread().name)),
+                            preprocess_fn=preprocess if source == "preprocess_fn" else None, device="cpu",
+                            background=background)
+    taken = []
+    got = _steps_drawing_random_numbers(batch for batch in prefetcher if not taken.append(len(reads)))
+    assert len(got) == len(want) == 6
+    for (x, kept), (x_ref, kept_ref) in zip(got, want):
+        assert torch.equal(x, x_ref) and torch.equal(kept, kept_ref)
+    assert taken == [2 * (k + 1) for k in range(6)]  # nothing read ahead: each batch read when asked
+    assert set(reads) == {"MainThread"}
+    assert _no_threads_left()
+
+
+def test_shuffled_loader_that_draws_nothing_else_is_read_ahead():
+    # A shuffling sampler draws its seed in the first read only (the probe is the second): the rest is read
+    # ahead, in the same order as the plain DataLoader's under the same seed.
+    reads = []
+    torch.manual_seed(3)
+    want = [int(i) for batch in DataLoader(Numbers(8), batch_size=1, shuffle=True) for i in batch["id"]]
+    torch.manual_seed(3)
+    loader = DataLoader(Numbers(8, on_get=lambda i: reads.append(threading.current_thread().name)), batch_size=1,
+                        shuffle=True)
+    assert [int(b["id"]) for b in Prefetcher(loader, device="cpu")] == want
+    assert reads[:2] == ["MainThread"] * 2 and set(reads[2:]) == {"accel-Prefetcher"}
+    assert _no_threads_left()
 
 
 def test_nested_loops_see_every_pair():
@@ -251,7 +340,8 @@ def test_cuda_branch_order_of_operations(monkeypatch, call_prefetch):
             prefetcher.prefetch_CPU()
             prefetcher.prefetch_GPU()
     assert _no_threads_left()
-    assert_copied_on_side_stream_of_cuda1(fakes, batches, seen, already_pinned)
+    # the first two batches are read when the loop asks (the second probes for random draws)
+    assert_copied_on_side_stream_of_cuda1(fakes, batches, seen, already_pinned, read_when_asked=2)
 
 
 def test_cuda_branch_preprocess_runs_after_the_wait_in_the_training_thread(monkeypatch):
@@ -261,14 +351,14 @@ def test_cuda_branch_preprocess_runs_after_the_wait_in_the_training_thread(monke
         fakes.add("preprocess", batch, torch.is_grad_enabled())
         return {"scaled": batch["x"] * 10, "id": batch["id"]}
 
-    prefetcher = Prefetcher(DataLoader(Numbers(4), batch_size=2), preprocess, device="cuda:1")
+    prefetcher = Prefetcher(DataLoader(Numbers(6), batch_size=2), preprocess, device="cuda:1")
     seen = []
     for batch in prefetcher:
         fakes.add("loop_gets", batch)
         seen.append(batch)
-    assert [b["id"].tolist() for b in seen] == [[0, 1], [2, 3]]
+    assert [b["id"].tolist() for b in seen] == [[0, 1], [2, 3], [4, 5]]
     torch.testing.assert_close(seen[1]["scaled"], torch.tensor([[20.0, 10.0], [30.0, 10.0]]))
-    for got in seen:
+    for k, got in enumerate(seen):  # the first two batches of a pass are read when the loop asks for them
         yielded_at, _ = fakes.only("loop_gets", lambda e, got=got: e.args[0] is got)
         at, call = fakes.only("preprocess", lambda e, got=got: e.args[0]["id"] is got["id"])
         claimed, grad_enabled = call.args
@@ -280,7 +370,7 @@ def test_cuda_branch_preprocess_runs_after_the_wait_in_the_training_thread(monke
             assert copied_at < recorded_at < at
         copies = [fakes.only("copy", lambda e, leaf=leaf: e.args[1] is leaf)[0] for leaf in iter_tensors(claimed)]
         _, waited_at = event_after(fakes, copies, fakes.only("new_stream", lambda e: True)[1].args[0],
-                                    fakes.defaults[1])
+                                    fakes.defaults[1], by_worker=k >= 2)
         assert waited_at < at
 
 
@@ -299,7 +389,7 @@ def test_cuda_branch_inline_copies_one_batch_ahead(monkeypatch):
         copied_at, _ = fakes.only("copy", lambda e, x=batch["x"]: e.args[1] is x)
         waited = [i for i, _ in fakes.find("wait_event")]
         assert copied_at < got_at and any(copied_at < i < got_at for i in waited)
-        if k + 1 < len(seen):  # the next batch's copy is queued before this one reaches the loop
+        if 1 <= k < len(seen) - 1:  # from the probe (batch 1) on, the next batch's copy is queued first
             next_at, _ = fakes.only("copy", lambda e, x=seen[k + 1]["x"]: e.args[1] is x)
             assert next_at < got_at
 

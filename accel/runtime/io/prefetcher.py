@@ -21,11 +21,20 @@ How each device is served (one background thread reads, and starts copies, in lo
 - cpu: reading and preprocess_fn run in the background thread.
 preprocess_fn always runs under torch.no_grad().
 
-The prefetcher always keeps the next batch read and copied ahead in the background, from the moment the
-loop takes a batch. prefetch_CPU/prefetch_GPU mark points where the caller allows that work; the read and
-the copy have usually started long before, so the calls never delay anything (they only start the next
-batch if it somehow is not under way yet), and a loop written as the guide shows is as fast as one
-without the calls.
+From the third batch of a pass on, the prefetcher keeps the next batch read and copied ahead in the
+background, from the moment the loop takes a batch. prefetch_CPU/prefetch_GPU mark points where the caller
+allows that work; the read and the copy have usually started long before, so the calls never delay anything
+(they only start the next batch if it somehow is not under way yet), and a loop written as the guide shows
+is as fast as one without the calls.
+
+Random numbers: the first two batches of a pass are read when the loop asks for them, in its thread, and the
+second read is watched: if it draws from the host's global RNGs (python `random`, numpy's, torch's CPU
+generator: random masking in a collate_fn such as transformers' DataCollatorForLanguageModeling, random
+augmentation in the dataset, with num_workers=0; or a CPU preprocess_fn), every batch of the pass is read
+when the loop asks for it, as without a Prefetcher. Read ahead, a batch would take its numbers at another
+point of the stream than the step's own draws (from the thread: at a point that depends on timing), so a seed
+would not reproduce a run and a checkpoint (accel.save_state) would not resume it exactly. Loaders with
+worker processes draw in the workers (their own RNGs) and are read ahead.
 
 background=False does the same work in the training thread instead, one batch ahead: as the loop takes
 batch k, batch k+1 is read and (on cuda) its copy started, so the copy still overlaps step k on the GPU,
@@ -47,6 +56,7 @@ import torch
 
 from accel.utils.batch import SideStreamCopy, move_to_device, resolve_device
 from accel.utils.checks import check_bool
+from accel.utils.rng import draws_from_host_rngs
 from accel.utils.threads_at_exit import close_at_exit
 from accel.utils.xla import is_xla_device
 
@@ -198,20 +208,40 @@ class _Pass:
         self.fetch: Future | None = None
         self.copy: Future | None = None
         self.worker = _Worker("accel-Prefetcher") if background else _InlineWorker()
+        self.reads = 0  # reads done when the loop asked (the first two, or all of them: see _read_on_demand)
+        self.ahead = False  # reads run ahead of the loop (set once the probe found reads that draw nothing)
         self.closed = False
         if background:
             close_at_exit(self)  # a pass still open when the script ends
-        self.prefetch_device()  # the first batch is needed at once
 
     def _read(self):
         if self.iterator is None:
-            # Created in the worker too: starting DataLoader worker processes takes a while.
             self.iterator = iter(self.loader)
         try:
             batch = next(self.iterator)
         except StopIteration:
             return _END
         return self.transfer.host(batch)
+
+    def _read_on_demand(self):
+        """Read the batch the loop asks for now, in its thread, as a loop without a Prefetcher does. The second
+        read is the probe: where it leaves the host's global RNGs as they were (the first read also creates the
+        iterator, which draws a worker base seed and a shuffling sampler's seed), reads run ahead from then on.
+        Where it draws from them (random masking or augmentation in the dataset or collate_fn with
+        num_workers=0, or in a CPU preprocess_fn), every read of this pass stays here: a read ahead would take
+        its numbers at another point of the stream (and, from a thread, race the training step's own draws),
+        so a seed would not reproduce a run nor a checkpoint resume it exactly."""
+        def read():
+            host = self._read()
+            return host if host is _END else self.transfer.to_device(host)
+
+        if self.reads == 1:
+            item, drew = draws_from_host_rngs(read)
+            self.ahead = not drew and item is not _END
+        else:
+            item = read()
+        self.reads += 1
+        return item
 
     def _to_device(self, fetched: Future):
         host = fetched.result()  # already finished: the worker runs jobs in order; re-raises a read error
@@ -220,12 +250,12 @@ class _Pass:
         return self.transfer.to_device(host)
 
     def prefetch_cpu(self) -> None:
-        if self.fetch is None and not self.closed:
+        if self.fetch is None and self.ahead and not self.closed:
             self.fetch = self.worker.submit(self._read)
 
     def prefetch_device(self) -> None:
         self.prefetch_cpu()
-        if self.copy is None and not self.closed:
+        if self.copy is None and self.ahead and not self.closed:
             fetched = self.fetch
             self.copy = self.worker.submit(lambda: self._to_device(fetched))
 
@@ -235,10 +265,13 @@ class _Pass:
     def __next__(self):
         if self.closed:
             raise StopIteration
-        self.prefetch_device()
-        copy, self.fetch, self.copy = self.copy, None, None
         try:
-            item = copy.result()
+            if self.ahead:
+                self.prefetch_device()
+                copy, self.fetch, self.copy = self.copy, None, None
+                item = copy.result()
+            else:
+                item = self._read_on_demand()
             if item is _END:
                 self.close()
                 raise StopIteration
