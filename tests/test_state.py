@@ -563,8 +563,9 @@ def test_compiled_masked_lm_resumes_bit_identically(tmp_path):
     # a randomly masking collate_fn) stopped mid-epoch and resumed equals the uninterrupted run, loss by loss.
     # Under torch.use_deterministic_algorithms: without it Inductor's CPU kernels add an embedding's gradient
     # rows in thread order, and two uninterrupted same-seed runs (plain torch.compile too) differ in the last bits.
-    import accel
     from transformers import BertConfig, BertForMaskedLM
+
+    import accel
 
     config = BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64)

@@ -24,6 +24,7 @@ of its own (a scalar label is copied to every piece).
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -346,8 +347,38 @@ class PackedCollator:
         return batch
 
 
+class LanguageModelingRows:
+    """collate_fn for PackedDataset rows through a transformers language-modeling collator
+    (DataCollatorForLanguageModeling or a subclass; masked LM or, mlm=False, causal LM): the rows are packed by
+    `packed` (keep_segment_info=True), then the collator masks their tokens and builds their labels as it does
+    for a padded batch. Its work is per token, so a row's sample boundaries do not matter to it (special tokens
+    and its tokenizer's padding are never masked); the rows' padding tails get no label whatever their id."""
+
+    def __init__(self, packed: PackedCollator, lm_collator):
+        if not packed.keep_segment_info:
+            raise ValueError("packed: LanguageModelingRows needs a PackedCollator with keep_segment_info=True")
+        self.packed = packed
+        self.lm_collator = lm_collator
+
+    def __call__(self, rows: Sequence[Mapping]) -> dict:
+        batch = self.packed(rows)
+        # A list of equal-length id tensors: the collator stacks them (nothing to pad) and masks.
+        lm = self.lm_collator(list(batch["input_ids"]))
+        batch["input_ids"] = lm["input_ids"]
+        batch["labels"] = lm["labels"].masked_fill(batch["segment_ids"] == 0, LABEL_PAD)
+        return batch
+
+
 # transformers' collators that only stack or pad: packing does their work itself
 _PADDING_COLLATORS = ("default_data_collator", "DataCollatorWithPadding", "DefaultDataCollator")
+
+
+def _language_modeling_collator(collate_fn) -> bool:
+    """Whether collate_fn is a transformers DataCollatorForLanguageModeling (or a subclass): it masks tokens and
+    builds labels per token, which it can do on packed rows (LanguageModelingRows)."""
+    collators = sys.modules.get("transformers.data.data_collator")  # loaded wherever such a collator was built
+    cls = getattr(collators, "DataCollatorForLanguageModeling", None)
+    return cls is not None and isinstance(collate_fn, cls)
 
 
 def _only_pads(collate_fn) -> bool:
@@ -367,16 +398,18 @@ def packed_loader_like(loader, max_length: int, *, pad_token_id: int = 0, overfl
     Samples longer than max_length are truncated (overflow="truncate", with a warning that counts them) or cut
     into pieces (overflow="split"). Rows per batch keep the real tokens per step about where they were:
     round(batch_size * mean sample length / max_length), at least 1. Batches carry segment_ids (accel.compiler.packed.PackedModel
-    builds the attention mask from them) and no attention_mask. The loader's own collate_fn is not used (it
-    batches samples, not rows); one not known to only stack or pad (torch's default, transformers' padding
-    collators) gets a warning, as what it did beyond padding (a masked-LM collator's masking, say) is not done.
+    builds the attention mask from them) and no attention_mask. The loader's own collate_fn batches samples, not
+    rows: a transformers DataCollatorForLanguageModeling (masked or causal LM) masks and labels the packed rows'
+    tokens instead (LanguageModelingRows); any other one not known to only stack or pad (torch's default,
+    transformers' padding collators) is not used, with a warning, as what it did beyond padding is not done.
     """
     from torch.utils.data import DataLoader, RandomSampler
 
     if not isinstance(loader, DataLoader) or loader.batch_size is None:
         raise ValueError("dataloader: packing rebuilds the loader, so it must be a torch DataLoader with a "
                          f"batch_size over a map-style dataset, got {type(loader).__name__}")
-    if not _only_pads(loader.collate_fn):
+    language_modeling = _language_modeling_collator(loader.collate_fn)
+    if not language_modeling and not _only_pads(loader.collate_fn):
         name = getattr(loader.collate_fn, "__name__", type(loader.collate_fn).__name__)
         warnings.warn(f"dataloader.pack: the loader's collate_fn ({name}) is replaced by PackedCollator, which packs "
                       "the dataset's samples as they are; what the collate_fn did beyond padding (masking tokens for "
@@ -395,6 +428,8 @@ def packed_loader_like(loader, max_length: int, *, pad_token_id: int = 0, overfl
                       "(overflow='truncate'); raise dataloader.max_length to keep them", stacklevel=3)
     mean_length = sum(packed.piece_lengths) / len(packed.piece_lengths)
     rows = max(1, round(loader.batch_size * mean_length / max_length))
-    return DataLoader(packed, batch_size=rows, shuffle=isinstance(loader.sampler, RandomSampler),
-                      collate_fn=PackedCollator(mask="none", keep_segment_info=True),
+    collate = PackedCollator(mask="none", keep_segment_info=True)
+    if language_modeling:
+        collate = LanguageModelingRows(collate, loader.collate_fn)
+    return DataLoader(packed, batch_size=rows, shuffle=isinstance(loader.sampler, RandomSampler), collate_fn=collate,
                       num_workers=loader.num_workers, pin_memory=loader.pin_memory, drop_last=loader.drop_last)

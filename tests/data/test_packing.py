@@ -1,4 +1,6 @@
 """Sequence packing: row layout against hand-built rows, and packed == alone on a real BERT model."""
+import copy
+
 import pytest
 import torch
 
@@ -243,9 +245,10 @@ def test_packing_warns_when_the_loaders_collate_fn_did_more_than_pad():
     class Tokenizer:  # what DataCollatorWithPadding needs of one
         pad_token_id = 0
     padding = transformers.DataCollatorWithPadding(Tokenizer())
+    masked_lm = transformers.DataCollatorForLanguageModeling(_word_tokenizer(transformers, 10))  # applied to rows
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for collate_fn in (None, transformers.default_data_collator, padding):
+        for collate_fn in (None, transformers.default_data_collator, padding, masked_lm):
             packed_loader_like(torch.utils.data.DataLoader(samples, batch_size=2, collate_fn=collate_fn), 8)
 
     def mask_tokens(batch):  # a masked-LM collator: its masking would be lost
@@ -261,3 +264,96 @@ def test_packing_a_loader_counts_the_tokens_truncation_drops():
     with pytest.warns(UserWarning, match=r"2 of 4 samples are longer than max_length=8 and lose their last 6 tokens"):
         loader = packed_loader_like(torch.utils.data.DataLoader(samples, batch_size=2), 8)
     assert sorted(loader.dataset.piece_lengths) == [3, 5, 8, 8]
+
+
+def _word_tokenizer(transformers, words: int, pad: str = "[PAD]"):
+    """A BERT tokenizer over [PAD] [UNK] [CLS] [SEP] [MASK] w0 .. w{words-1} (ids 0-4, then 5 on), built in
+    memory; pad names its padding token."""
+    vocab = {token: i for i, token in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])}
+    vocab.update({f"w{i}": 5 + i for i in range(words)})
+    return transformers.BertTokenizerFast(vocab=vocab, pad_token=pad)
+
+
+def _cls_sep_samples(n: int, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, 30, (n,), generator=g).tolist()
+    return [{"input_ids": torch.cat([torch.tensor([2]), torch.randint(5, 105, (k,), generator=g), torch.tensor([3])])}
+            for k in lengths]
+
+
+def test_masked_lm_collator_masks_the_packed_rows():
+    # A DataCollatorForLanguageModeling given to a packed loader masks the rows' tokens as it masks a padded
+    # batch: the same output as the collator on those rows under the same seed, labels only on the tokens it
+    # chose (never [CLS], [SEP] or a row's padding tail), the original token as the label.
+    from accel.data.packing import packed_loader_like
+
+    transformers = pytest.importorskip("transformers")
+    collator = transformers.DataCollatorForLanguageModeling(_word_tokenizer(transformers, 100), mlm_probability=0.3)
+    loader = packed_loader_like(torch.utils.data.DataLoader(_cls_sep_samples(80), batch_size=8, collate_fn=collator), 64)
+    rows = loader.dataset
+    chosen = eligible = 0
+    for k, batch in enumerate(loader):
+        members = [rows[r] for r in range(k * loader.batch_size, k * loader.batch_size + len(batch["input_ids"]))]
+        original = torch.stack([row["input_ids"] for row in members])
+        tail, special = batch["segment_ids"] == 0, (original == 2) | (original == 3)
+        labeled = batch["labels"] != -100
+        assert not (labeled & (tail | special)).any()
+        assert torch.equal(batch["labels"][labeled], original[labeled])
+        assert torch.equal(batch["input_ids"][~labeled], original[~labeled])  # unchosen tokens are kept
+        chosen, eligible = chosen + int(labeled.sum()), eligible + int((~tail & ~special).sum())
+        # the collator's own output on the rows, under the same seed
+        torch.manual_seed(k)
+        got = loader.collate_fn(members)
+        torch.manual_seed(k)
+        want = collator(list(original))
+        assert torch.equal(got["input_ids"], want["input_ids"])
+        assert torch.equal(got["labels"], want["labels"].masked_fill(tail, -100))
+    assert abs(chosen / eligible - 0.3) < 0.05  # of ~1300 eligible tokens
+
+
+def test_causal_lm_collator_labels_the_packed_rows_but_not_their_tails():
+    # mlm=False: every token of a sample is its own label (the model shifts them); the rows' tails, padded with
+    # packing's id 0, get none although the tokenizer pads with another id.
+    from accel.data.packing import packed_loader_like
+
+    transformers = pytest.importorskip("transformers")
+    collator = transformers.DataCollatorForLanguageModeling(_word_tokenizer(transformers, 100, pad="[UNK]"), mlm=False)
+    loader = packed_loader_like(torch.utils.data.DataLoader(_cls_sep_samples(20), batch_size=4, collate_fn=collator), 64)
+    tails = 0
+    for batch in loader:
+        tail = batch["segment_ids"] == 0
+        assert torch.equal(batch["labels"], batch["input_ids"].masked_fill(tail, -100))
+        tails += int(tail.sum())
+    assert tails > 0
+
+
+def test_accelerate_packs_a_masked_lm_loader():
+    # The loop's usual masked-LM loader (transformers' collator) through dataloader.pack: every batch is packed
+    # rows of max_length with the collator's labels, and the model's loss over them is the loss of the samples
+    # run one at a time on the same masked tokens.
+    import accel
+    from accel.data.packing import LABEL_PAD
+
+    transformers = pytest.importorskip("transformers")
+    collator = transformers.DataCollatorForLanguageModeling(_word_tokenizer(transformers, 100))
+    config = transformers.BertConfig(vocab_size=105, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    reference = transformers.BertForMaskedLM(config).eval()
+    settings = accel.Config(backend="cpu")
+    settings.compute.compile, settings.compute.bf16 = False, False
+    settings.dataloader.pack, settings.dataloader.max_length = True, 64
+    model, loader = accel.accelerate(
+        copy.deepcopy(reference), torch.utils.data.DataLoader(_cls_sep_samples(24), batch_size=6, collate_fn=collator),
+        settings)
+    for batch in loader:
+        assert batch["input_ids"].shape[1] == 64 and (batch["labels"] != LABEL_PAD).any()
+        loss = model(**batch).loss
+        per_token = []
+        for ids, labels, segments in zip(batch["input_ids"], batch["labels"], batch["segment_ids"]):
+            for s in set(segments.tolist()) - {0}:  # segment 0: the tail
+                keep = segments == s
+                logits = reference(input_ids=ids[keep][None]).logits[0]
+                per_token.append(torch.nn.functional.cross_entropy(logits, labels[keep], reduction="none",
+                                                                   ignore_index=LABEL_PAD)[labels[keep] != LABEL_PAD])
+        torch.testing.assert_close(loss, torch.cat(per_token).mean(), rtol=1e-5, atol=1e-5)
