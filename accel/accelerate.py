@@ -66,7 +66,9 @@ What it does, in order (each step says why it sits where it does):
    padded to a bucket length) or packing; or, with dataloader.drop_full_masks, a transformers model's
    all-ones attention masks dropped on the host (accel.data.full_mask); then the backend's device loader
    (MpDeviceLoader on xla, the Prefetcher with pinned host memory on cuda, the Prefetcher's background
-   reads on cpu); with compute.recompile_guard, a guard that warns about compilations after the first
+   reads on cpu; a loader whose reads draw random numbers in the main process, e.g. a masked-LM collator with
+   num_workers=0, is read when the loop asks for each batch, so a seed reproduces the run and a checkpoint
+   resumes it exactly); with compute.recompile_guard, a guard that warns about compilations after the first
    steps.
 
 The model is modified in place where possible (kernels, checkpointing, FSDP2, compile) and returned; its
