@@ -65,8 +65,8 @@ What it does, in order (each step says why it sits where it does):
    pass), then static shapes by bucketing (dataloader.buckets / max_length / num_buckets: every batch
    padded to a bucket length) or packing; or, with dataloader.drop_full_masks, a transformers model's
    all-ones attention masks dropped on the host (accel.data.full_mask); then the backend's device loader
-   (MpDeviceLoader on xla, the Prefetcher with pinned host memory on cuda, the Prefetcher's background
-   reads on cpu; a loader whose reads draw random numbers in the main process, e.g. a masked-LM collator with
+   (MpDeviceLoader on xla, the Prefetcher with pinned host memory and a reading thread on cuda, the
+   Prefetcher reading in the training thread on cpu, whose cores the step's threads use; a loader whose reads draw random numbers in the main process, e.g. a masked-LM collator with
    num_workers=0, is read when the loop asks for each batch, so a seed reproduces the run and a checkpoint
    resumes it exactly); with compute.recompile_guard, a guard that warns about compilations after the first
    steps.
@@ -273,7 +273,9 @@ def _wrap_loader(loader, config: Config, backend: str, device: torch.device, inp
         # SPMD (FSDP on xla): each batch is the global one, uploaded split along dim 0 over the mesh.
         loader = MpDeviceLoader(loader, device, input_sharding=input_sharding)
     else:
-        loader = Prefetcher(loader, device=device, background=dl.background_prefetch)
+        # On the CPU the step's threads take every core: a reading thread would only take one from them.
+        background = dl.background_prefetch if dl.background_prefetch is not None else device.type != "cpu"
+        loader = Prefetcher(loader, device=device, background=background)
     if config.compute.recompile_guard:
         from accel.compiler.recompile_guard import GuardedLoader, RecompileGuard
 

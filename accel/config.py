@@ -250,10 +250,14 @@ class DataLoaderConfig(_Section):
     background_prefetch: the loader's Prefetcher reads the next batch and starts its copy on a thread of its
         own (True), or in the training thread as each batch is handed over (False; accel.runtime.io.prefetcher:
         for steps bound by their host's Python work, where the thread competes with the step for the GIL).
+        None (the default): a thread where the step runs on an accelerator (cuda), none on the CPU.
         An H200, BERT-base 32x128 (2026-11-27): the same 8.2 ms step either way, 0.10 ms to take a batch from
-        the thread against 0.87 ms inline, so the thread stays the default. Either way a loader whose reads draw
-        from the global RNGs (num_workers=0 with random masking or augmentation) is read when the loop asks for
-        each batch, so that a seed reproduces the run (accel.runtime.io.prefetcher).
+        the thread against 0.87 ms inline, so cuda reads on a thread. On the CPU the step's own threads use every
+        core, so a reading thread has no idle core to work on and only takes one from them: a 2-core Zen 5, a
+        small ResNet, 8 images of 224 px, bf16 (benchmarks/model_families.py, 2026-11-28): 61.9 ms a step with
+        the thread, 34.0 inline (the peer: 38.0); BERT-base 8x128 tied (1.01x). Either way a loader whose reads draw from the
+        global RNGs (num_workers=0 with random masking or augmentation) is read when the loop asks for each batch,
+        so that a seed reproduces the run (accel.runtime.io.prefetcher).
     """
 
     _prefix = "dataloader"
@@ -263,7 +267,7 @@ class DataLoaderConfig(_Section):
     pad_value_dict: dict = field(default_factory=lambda: dict(DEFAULT_PAD_VALUES))
     pack: bool = False
     drop_full_masks: bool = False
-    background_prefetch: bool = True
+    background_prefetch: Optional[bool] = None
 
     def _check(self) -> None:
         if self.buckets is not None:
@@ -292,7 +296,8 @@ class DataLoaderConfig(_Section):
         if self.pack and self.buckets is not None:
             raise ValueError("dataloader.pack and dataloader.buckets are exclusive: packed rows have one length")
         _check_bool("dataloader.drop_full_masks", self.drop_full_masks)
-        _check_bool("dataloader.background_prefetch", self.background_prefetch)
+        if self.background_prefetch is not None:
+            _check_bool("dataloader.background_prefetch", self.background_prefetch)
         if self.drop_full_masks and (self.pack or self.max_length is not None or self.buckets is not None):
             raise ValueError("dataloader.drop_full_masks is for loaders that keep their own shapes: not with "
                              "dataloader.pack, dataloader.buckets or dataloader.max_length (their batches keep "

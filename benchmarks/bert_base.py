@@ -742,7 +742,7 @@ def measure(run: Run, warmup: int, steps: int, desc: str, tokens_per_sample: int
             "compiles_timed": compiles_end - compiles_warm}
 
 
-def summarize(raw: dict, device: torch.device, flops_per_token: float, attention_flops_per_len_sq: float) -> dict:
+def summarize(raw: dict, device: torch.device, coefficients: tuple[float, float] | None) -> dict:
     timed = raw["step_times"][raw["warmup"]:]
     median = statistics.median(timed)
     seconds = sum(timed)
@@ -753,7 +753,8 @@ def summarize(raw: dict, device: torch.device, flops_per_token: float, attention
            "compile_s": max(0.0, sum(raw["step_times"][:raw["warmup"]]) - raw["warmup"] * median),
            "first_loss": raw["losses"][0], "final_loss": raw["losses"][-1]}
     peak = peak_flops(device)
-    if peak is not None:
+    if peak is not None and coefficients is not None:
+        flops_per_token, attention_flops_per_len_sq = coefficients
         flops = flops_per_token * raw["tokens"] + attention_flops_per_len_sq * raw["attention_len_sq"]
         row["mfu"] = flops / seconds / peak
     return row
@@ -831,7 +832,7 @@ def run_mode(mode: str, ctx: Context, args) -> dict:
         return {**row, "status": "failed", "reason": f"{type(error).__name__}: {error}"}
     finally:
         restore_hooks()
-    stats = summarize(raw, run.device, *flop_coefficients(ctx.initial_model))
+    stats = summarize(raw, run.device, flop_coefficients(ctx.initial_model))
     return {**row, "status": "ok", "device": str(run.device), "precision": run.precision,
             "same_data": not run.packed, "cudagraph_skips": cudagraph_skips() - skips,
             "cudagraph_skip_reasons": distinct(cudagraph_skip_reasons(heard)),
@@ -849,10 +850,15 @@ def peak_memory(memory: PeakMemory, device: torch.device) -> dict:
     return {"peak_mem_mb": memory.peak_bytes() / 2**20, "memory_method": method}
 
 
-def flop_coefficients(model) -> tuple[float, float]:
-    """(FLOPs per real token, FLOPs per unit of sample length^2) of one training step (see MFU above)."""
+def flop_coefficients(model) -> tuple[float, float] | None:
+    """(FLOPs per real token, FLOPs per unit of sample length^2) of one training step (see MFU above); None for
+    a model that is not one stack of transformer layers over all its tokens (a convolutional one reuses each weight
+    at every position; Swin's stages attend within windows, with per-stage widths and heads)."""
     cfg = model.config
-    return 6.0 * matmul_params(model), 12.0 * cfg.num_hidden_layers * cfg.hidden_size
+    layers, hidden = getattr(cfg, "num_hidden_layers", None), getattr(cfg, "hidden_size", None)
+    if not all(isinstance(v, int) for v in (layers, hidden, getattr(cfg, "num_attention_heads", None))):
+        return None
+    return 6.0 * matmul_params(model), 12.0 * layers * hidden
 
 
 def add_speedups(rows: list[dict]) -> None:

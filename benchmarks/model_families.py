@@ -11,8 +11,9 @@ its rows, measurement and tables are bert_base.py's (see its docstring).
 Models: transformers' classes from configs (hidden 256, 4 layers of 4 heads, intermediate 1024, vocabulary 8000;
 decoders 2 key/value heads; BART 2 + 2 layers), random weights, nothing downloaded: sequence classifiers (RoBERTa,
 DeBERTa-v2, ALBERT, ELECTRA), causal LMs (GPT-2, OPT, Qwen2, Mistral with its 4096-token sliding window, Gemma,
-Phi-3), encoder-decoders (T5, BART: labels half the input's length) and ViT (224 px, 197 tokens). --quick: tiny
-ones, 16 tokens, 2 steps.
+Phi-3), encoder-decoders (T5, BART: labels half the input's length), ViT (224 px, 197 tokens) and the image
+classifiers of the TorchAcc guide's kind, Swin, ConvNeXt and ResNet (224 px, four stages of 32 to 256 channels;
+their speed is images, counted as one token each). --quick: tiny ones, 16 tokens, 2 steps.
 
     python benchmarks/model_families.py [--quick] [--families gpt2,bart] [--modes peer,accel] [--steps N]
                                         [--batch B] [--length L]
@@ -51,6 +52,7 @@ class Family:
         common = dict(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, intermediate_size=ffn,
                       vocab_size=vocab)
         decoder = dict(common, num_key_value_heads=heads // 2, pad_token_id=0)
+        stages = [h // 8, h // 4, h // 2, h]
         return {
             "RobertaConfig": common, "DebertaV2Config": common, "ElectraConfig": dict(common, embedding_size=h // 2),
             "AlbertConfig": dict(common, embedding_size=h // 2),
@@ -66,6 +68,12 @@ class Family:
                                vocab_size=vocab),
             "ViTConfig": dict(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, intermediate_size=ffn,
                               num_labels=10, image_size=size["image_size"], patch_size=PATCH),
+            # four stages of widths h/8 .. h, the third the deepest, as their base models are
+            # window 7 at 224 px (stages of 56, 28, 14 and 7 patches a side, as Swin-T's)
+            "SwinConfig": dict(image_size=size["image_size"], embed_dim=h // 8, depths=[1, 1, n, 1],
+                               num_heads=[1, 2, 4, 8], window_size=size["image_size"] // 32, num_labels=10),
+            "ConvNextConfig": dict(hidden_sizes=stages, depths=[1, 1, n, 1], num_labels=10),
+            "ResNetConfig": dict(embedding_size=h // 8, hidden_sizes=stages, depths=[1, 1, n, 1], num_labels=10),
         }[self.config]
 
 
@@ -83,6 +91,9 @@ FAMILIES = {
     "t5": Family("T5ForConditionalGeneration", "seq2seq", "T5Config"),
     "bart": Family("BartForConditionalGeneration", "seq2seq", "BartConfig"),
     "vit": Family("ViTForImageClassification", "images", "ViTConfig"),
+    "swin": Family("SwinForImageClassification", "images", "SwinConfig"),
+    "convnext": Family("ConvNextForImageClassification", "images", "ConvNextConfig"),
+    "resnet": Family("ResNetForImageClassification", "images", "ResNetConfig"),
 }
 
 
@@ -149,7 +160,8 @@ def run_family(name: str, args, size: dict) -> tuple[list[dict], list[str]]:
     """The family's rows (bert_base.run_mode each) and its loss-check problems."""
     family = FAMILIES[name]
     images = family.task == "images"
-    tokens = (size["image_size"] // PATCH) ** 2 + 1 if images else args.length
+    # ViT's patches and [CLS]; the convolutional and Swin models count each image as one sample of one token
+    tokens = ((size["image_size"] // PATCH) ** 2 + 1 if family.config == "ViTConfig" else 1) if images else args.length
     samples = make_samples(family.task, args.batch * (args.warmup + args.steps), args.length, size["vocab"],
                            size["image_size"], args.seed)
     workload = Batches("fixed", args.batch, tokens, samples, tokens_per_sample=tokens if images else None)

@@ -495,10 +495,13 @@ def test_buckets_pad_input_ids_with_the_models_pad_token():
     assert not next(iter(wrapped))["input_ids"][:, 9:].any()
 
 
-@pytest.mark.parametrize("background", [True, False], ids=["thread", "inline"])
+@pytest.mark.parametrize("background", [True, False, None], ids=["thread", "inline", "default"])
 def test_background_prefetch_says_which_thread_reads_the_loader(background):
+    # None: no thread on the CPU, whose cores the step's own threads use
     config = cpu_config(compile=False, kernels=False)
-    config.dataloader.background_prefetch = background
+    if background is not None:
+        config.dataloader.background_prefetch = background
+    assert accel.Config().dataloader.background_prefetch is None
     _, wrapped = accel.accelerate(tiny_bert(), loader(), config)
     got, prefetch_thread_alive = [], []
     for batch in wrapped:
@@ -508,7 +511,7 @@ def test_background_prefetch_says_which_thread_reads_the_loader(background):
     assert len(got) == len(expected)
     for a, b in zip(got, expected):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert any(prefetch_thread_alive) == background
+    assert any(prefetch_thread_alive) == bool(background)
 
 
 def test_a_batch_longer_than_every_bucket_is_an_error():
