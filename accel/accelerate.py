@@ -273,9 +273,7 @@ def _wrap_loader(loader, config: Config, backend: str, device: torch.device, inp
         # SPMD (FSDP on xla): each batch is the global one, uploaded split along dim 0 over the mesh.
         loader = MpDeviceLoader(loader, device, input_sharding=input_sharding)
     else:
-        # On the CPU the step's threads take every core: a reading thread would only take one from them.
-        background = dl.background_prefetch if dl.background_prefetch is not None else device.type != "cpu"
-        loader = Prefetcher(loader, device=device, background=background)
+        loader = Prefetcher(loader, device=device, background=dl.background_prefetch)
     if config.compute.recompile_guard:
         from accel.compiler.recompile_guard import GuardedLoader, RecompileGuard
 

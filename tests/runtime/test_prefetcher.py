@@ -87,7 +87,7 @@ def test_reads_ahead_without_being_asked():
         if i == 2:
             third_read.set()
 
-    prefetcher = Prefetcher(DataLoader(Numbers(4, on_get=on_get), batch_size=1), device="cpu")
+    prefetcher = Prefetcher(DataLoader(Numbers(4, on_get=on_get), batch_size=1), device="cpu", background=True)
     it = iter(prefetcher)
     next(it), next(it)
     assert third_read.wait(10)  # batch 2 is read while the loop is still on batch 1
@@ -100,7 +100,8 @@ def test_guide_calls_keep_the_read_ahead():
     # Called as the guide shows, prefetch_CPU/prefetch_GPU must not hand the timing to the caller: the
     # next batch is still read while the loop works on this one, before any call is made.
     read = {i: threading.Event() for i in range(5)}
-    prefetcher = Prefetcher(DataLoader(Numbers(5, on_get=lambda i: read[i].set()), batch_size=1), device="cpu")
+    prefetcher = Prefetcher(DataLoader(Numbers(5, on_get=lambda i: read[i].set()), batch_size=1), device="cpu",
+                            background=True)
     for step, batch in enumerate(prefetcher):
         assert int(batch["id"]) == step
         if 1 <= step < 4:  # from the probe on (batch 1)
@@ -200,13 +201,13 @@ def test_shuffled_loader_that_draws_nothing_else_is_read_ahead():
     torch.manual_seed(3)
     loader = DataLoader(Numbers(8, on_get=lambda i: reads.append(threading.current_thread().name)), batch_size=1,
                         shuffle=True)
-    assert [int(b["id"]) for b in Prefetcher(loader, device="cpu")] == want
+    assert [int(b["id"]) for b in Prefetcher(loader, device="cpu", background=True)] == want
     assert reads[:2] == ["MainThread"] * 2 and set(reads[2:]) == {"accel-Prefetcher"}
     assert _no_threads_left()
 
 
 def test_nested_loops_see_every_pair():
-    prefetcher = Prefetcher(DataLoader(Numbers(5), batch_size=1), device="cpu")
+    prefetcher = Prefetcher(DataLoader(Numbers(5), batch_size=1), device="cpu", background=True)
     pairs = []
     for a in prefetcher:
         for b in prefetcher:
@@ -217,7 +218,7 @@ def test_nested_loops_see_every_pair():
 
 
 def test_close_stops_every_pass():
-    prefetcher = Prefetcher(DataLoader(Numbers(20), batch_size=1), device="cpu")
+    prefetcher = Prefetcher(DataLoader(Numbers(20), batch_size=1), device="cpu", background=True)
     first, second = iter(prefetcher), iter(prefetcher)
     assert int(next(first)["id"]) == 0 and int(next(second)["id"]) == 0
     prefetcher.close()
@@ -238,7 +239,7 @@ def test_loader_exception_reraised_with_type_and_traceback(background):
 
 
 def test_early_break_leaves_no_thread_and_next_epoch_starts_over():
-    prefetcher = Prefetcher(DataLoader(Numbers(30), batch_size=1), device="cpu")
+    prefetcher = Prefetcher(DataLoader(Numbers(30), batch_size=1), device="cpu", background=True)
     for step, _ in enumerate(prefetcher):
         prefetcher.prefetch_CPU()
         if step == 3:
@@ -254,7 +255,7 @@ def test_early_break_leaves_no_thread_and_next_epoch_starts_over():
 
 
 def test_early_break_with_worker_processes_and_context_manager():
-    with Prefetcher(DataLoader(Numbers(40), batch_size=2, num_workers=1), device="cpu") as prefetcher:
+    with Prefetcher(DataLoader(Numbers(40), batch_size=2, num_workers=1), device="cpu", background=True) as prefetcher:
         for step, _ in enumerate(prefetcher):
             if step == 1:
                 break
@@ -273,6 +274,13 @@ def test_worker_runs_jobs_in_order_across_idle_restarts(monkeypatch):
     assert worker.submit(lambda: out.append(5)).result(10) is None
     assert out == list(range(6))
     worker.close(10)
+
+
+def test_reads_on_a_thread_by_default_except_on_the_cpu(monkeypatch):
+    # The CPU's cores run the step's own threads; a cuda step leaves the host's cores to the reader.
+    assert Prefetcher([], device="cpu").background is False
+    CudaFakes(monkeypatch, worker_prefix="accel-Prefetcher")
+    assert Prefetcher([], device="cuda:1").background is True
 
 
 def test_bad_arguments():

@@ -24,11 +24,12 @@ SCRIPT = textwrap.dedent("""
 
     if {kind!r} == "Prefetcher":
         from accel.runtime.io.prefetcher import Prefetcher
-        passes = iter(Prefetcher(Slow(), device="cpu"))
+        passes = iter(Prefetcher(Slow(), device="cpu", background=True))
     else:
         from accel.data.device_loader import MpDeviceLoader
         passes = iter(MpDeviceLoader(Slow(), torch.device("cpu")))
-    batch = next(passes)
+    next(passes)
+    batch = next(passes)  # the first two are read in this thread; the thread starts on the third
     print("read", tuple(batch["x"].shape), float(batch["x"][0, 0]))
 """)
 
