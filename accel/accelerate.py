@@ -68,8 +68,9 @@ What it does, in order (each step says why it sits where it does):
    (MpDeviceLoader on xla, the Prefetcher with pinned host memory and a reading thread on cuda, the
    Prefetcher reading in the training thread on cpu, whose cores the step's threads use; a loader whose reads draw random numbers in the main process, e.g. a masked-LM collator with
    num_workers=0, is read when the loop asks for each batch, so a seed reproduces the run and a checkpoint
-   resumes it exactly); with compute.recompile_guard, a guard that warns about compilations after the first
-   steps.
+   resumes it exactly); for a compiled model without buckets or packing, a warning when its batches come in
+   more shapes than full and last batches give (accel.compiler.batch_shapes); with compute.recompile_guard, a
+   guard that warns about compilations after the first steps.
 
 The model is modified in place where possible (kernels, checkpointing, FSDP2, compile) and returned; its
 state_dict keys stay as they were except under packing (the wrapper holds the model as `.model`) and DDP
@@ -241,7 +242,7 @@ def _pad_with_models_pad_id(config: Config, model: nn.Module) -> None:
 
 
 def _wrap_loader(loader, config: Config, backend: str, device: torch.device, input_sharding=None,
-                 drop_full_masks: bool = False):
+                 drop_full_masks: bool = False, compiled: bool = False):
     from accel.data.bucketing import BucketPaddedLoader
     from accel.data.device_loader import MpDeviceLoader
     from accel.data.resumable import ResumableLoader
@@ -274,6 +275,10 @@ def _wrap_loader(loader, config: Config, backend: str, device: torch.device, inp
         loader = MpDeviceLoader(loader, device, input_sharding=input_sharding)
     else:
         loader = Prefetcher(loader, device=device, background=dl.background_prefetch)
+    if (compiled or backend == "xla") and buckets is None and not dl.pack:
+        from accel.compiler.batch_shapes import ShapeWatch
+
+        loader = ShapeWatch(loader)  # says so if the batches keep changing shape (each one compiles)
     if config.compute.recompile_guard:
         from accel.compiler.recompile_guard import GuardedLoader, RecompileGuard
 
@@ -399,4 +404,4 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
     if dataloader is None:
         return model
     return model, _wrap_loader(dataloader, config, backend, device, distributed.input_sharding(model),
-                               drop_full_masks)
+                               drop_full_masks, compiled)
