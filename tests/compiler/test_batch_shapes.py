@@ -8,6 +8,7 @@ import transformers
 
 import accel
 from accel.compiler.batch_shapes import ManyShapesWarning, ShapeWatch
+from accel.utils.xla import xla_available
 
 
 def _batches(lengths, batch=8):
@@ -60,10 +61,14 @@ def _padded(lengths):
     ({"dataloader.buckets": [16, 32]}, False),               # padded to two lengths
     ({"dataloader.pack": True, "dataloader.max_length": 32}, False),
     ({"compute.compile": False}, False),                     # eager: shapes cost nothing
+    pytest.param({"backend": "xla"}, True, marks=pytest.mark.skipif(
+        not xla_available(), reason="torch_xla is not installed")),  # XLA compiles per shape by nature
 ])
 def test_accelerate_watches_the_loader_of_a_compiled_model(settings, warns):
-    config = accel.Config(backend="cpu")
+    config = accel.Config(backend=settings.get("backend", "cpu"))
     for name, value in settings.items():
+        if name == "backend":
+            continue
         section, field = name.split(".")
         setattr(getattr(config, section), field, value)
     model = transformers.BertForSequenceClassification(transformers.BertConfig(
