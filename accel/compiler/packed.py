@@ -269,10 +269,12 @@ class PackedModel(nn.Module):
     def config(self):
         return self.model.config
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor,
-                token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                seq_lens: torch.Tensor | None = None, **kwargs):
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None, **kwargs):
         """Runs the packed batch; takes a PackedCollator(mask="none", keep_segment_info=True) batch as **batch.
+        A batch without segment_ids (an ordinary one, padded or not: evaluation, inference) goes to the wrapped
+        model as it is, with its own outputs.
 
         Args:
             input_ids, position_ids, segment_ids: [B, L] from PackedDataset (position ids restart at 0 per
@@ -294,6 +296,10 @@ class PackedModel(nn.Module):
             row has no segment s) and loss, the cross entropy averaged over the segments whose label is not
             -100, i.e. `model(**unpacked).loss` over the same samples.
         """
+        if segment_ids is None and seq_lens is None:  # not packed rows
+            if token_type_ids is not None:
+                kwargs["token_type_ids"] = token_type_ids
+            return self.model(input_ids=input_ids, position_ids=position_ids, labels=labels, **kwargs)
         for key in ("attention_mask", "cu_seqlens", "max_seqlen"):
             if key in kwargs:
                 raise ValueError(f"{key} must not be passed: PackedModel builds the attention mask from "

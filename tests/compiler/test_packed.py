@@ -291,6 +291,29 @@ def test_bad_forward_arguments_are_named():
         seq_packed(**{**seq_batch, "labels": seq_batch["labels"][:, :1]})
 
 
+@pytest.mark.parametrize("kind", ["sequence", "token", "causal"])
+def test_an_ordinary_batch_goes_to_the_wrapped_model(kind):
+    # Evaluation or inference on padded batches with the model accelerate(dataloader.pack=True) returned: no
+    # segment_ids, so the wrapped model's own call and outputs (attention_mask, labels and token types included).
+    torch.manual_seed(0)
+    if kind == "causal":
+        model = _decoder("llama", "sdpa").eval()
+    else:
+        model = HEADS[kind](_config("sdpa")).eval()
+    packed = PackedModel(copy.deepcopy(model))
+    ids = torch.randint(1, VOCAB, (3, 9))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    batch["attention_mask"][0, 6:] = 0
+    if kind == "sequence":
+        batch.update(labels=torch.tensor([0, 2, 1]), token_type_ids=torch.randint(0, 2, ids.shape))
+    else:
+        batch["labels"] = ids.masked_fill(batch["attention_mask"] == 0, LABEL_PAD)
+    with torch.no_grad():
+        got, want = packed(**batch), model(**batch)
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+    torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=0)
+
+
 def _last_layer_queries(packed):
     """Records how many positions per row the last layer's query projection sees per call."""
     seen = []

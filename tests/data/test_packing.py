@@ -357,3 +357,7 @@ def test_accelerate_packs_a_masked_lm_loader():
                 per_token.append(torch.nn.functional.cross_entropy(logits, labels[keep], reduction="none",
                                                                    ignore_index=LABEL_PAD)[labels[keep] != LABEL_PAD])
         torch.testing.assert_close(loss, torch.cat(per_token).mean(), rtol=1e-5, atol=1e-5)
+    # and an ordinary padded batch (evaluation) goes to the model as it is
+    ids = torch.nn.utils.rnn.pad_sequence([s["input_ids"] for s in _cls_sep_samples(3, seed=5)], batch_first=True)
+    ordinary = {"input_ids": ids, "attention_mask": (ids != 0).long()}
+    torch.testing.assert_close(model(**ordinary).logits, reference(**ordinary).logits, rtol=1e-5, atol=1e-5)
