@@ -181,7 +181,8 @@ class PackedModel(nn.Module):
 
     The wrapped model is `self.model`, unchanged, and shares its parameters. `state_dict()` and
     `load_state_dict()` use the wrapped model's keys (no "model." prefix), so checkpoints move freely between
-    the two; `named_parameters()` keeps the prefix, as for any submodule.
+    the two; `named_parameters()` keeps the prefix, as for any submodule. Other attributes the wrapper lacks
+    (generate, save_pretrained, ...) are the wrapped model's.
 
     A sequence classifier reads one position per sample of the last layer (an encoder's first token, a
     decoder's last), so with `first_tokens_only` that layer computes those positions alone
@@ -268,6 +269,16 @@ class PackedModel(nn.Module):
     @property
     def config(self):
         return self.model.config
+
+    def __getattr__(self, name: str):
+        """What the wrapped model has and the wrapper does not (generate, save_pretrained,
+        get_input_embeddings, ...), from the wrapped model: it is what users call them on."""
+        try:
+            return super().__getattr__(name)  # parameters, buffers and submodules (self.model among them)
+        except AttributeError:
+            if name.startswith("__") or "model" not in self._modules:  # pickling, or before __init__ set it
+                raise
+            return getattr(self._modules["model"], name)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,

@@ -314,6 +314,24 @@ def test_an_ordinary_batch_goes_to_the_wrapped_model(kind):
     torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=0)
 
 
+def test_the_wrapped_models_own_methods_are_reachable(tmp_path):
+    # generate, save_pretrained and the rest act on the wrapped model, as users call them after accelerate().
+    torch.manual_seed(0)
+    model = _decoder("llama", "sdpa").eval()
+    packed = PackedModel(copy.deepcopy(model)).eval()
+    prompt = torch.randint(1, VOCAB, (2, 5))
+    assert torch.equal(packed.generate(prompt, max_new_tokens=4, do_sample=False),
+                       model.generate(prompt, max_new_tokens=4, do_sample=False))
+    assert packed.get_input_embeddings() is packed.model.get_input_embeddings()
+    packed.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    twin = copy.deepcopy(packed)  # the wrapper's own machinery is untouched by the forwarding
+    assert isinstance(twin, PackedModel) and twin.model is not packed.model
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        packed.no_such_attribute
+
+
 def _last_layer_queries(packed):
     """Records how many positions per row the last layer's query projection sees per call."""
     seen = []
