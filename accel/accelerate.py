@@ -80,6 +80,7 @@ but its state_dict()/load_state_dict() use the plain keys.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import torch
@@ -230,12 +231,15 @@ def _compile(model: nn.Module, backend: str, cuda_graphs: bool, n_shapes: int, i
         cudagraph_skips.watch()  # Inductor falling back to a launch per kernel says so only in a log that is off
 
 
-def _pad_with_models_pad_id(config: Config, model: nn.Module) -> None:
+def _models_pad_id(model: nn.Module):
+    return getattr(getattr(model, "config", None), "pad_token_id", None)
+
+
+def _pad_with_models_pad_id(config: Config, pad_id) -> None:
     """input_ids left at the default pad value get the model's own pad token id (config.dataloader.pad_value_dict):
     a decoder's sequence classifier finds each row's last token by it."""
     from accel.config import DEFAULT_PAD_VALUES
 
-    pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
     pad_values = config.dataloader.pad_value_dict
     if isinstance(pad_id, int) and pad_id >= 0 and pad_values.get("input_ids") == DEFAULT_PAD_VALUES["input_ids"]:
         pad_values["input_ids"] = pad_id
@@ -289,6 +293,43 @@ def _wrap_loader(loader, config: Config, backend: str, device: torch.device, inp
     return loader
 
 
+@dataclasses.dataclass(frozen=True)
+class _Accelerated:
+    """What accelerate() did to a model, kept on the model it returns (attribute _ACCELERATED): a later call
+    with that model wraps a loader alone (an evaluation loader), as the first call would have."""
+    config: Config
+    backend: str
+    device: torch.device
+    compiled: bool
+    reads_no_mask_as_full: bool
+    pad_id: object
+
+
+_ACCELERATED = "_accel_accelerated"
+_MODEL_SECTIONS = ("backend", "compute", "memory", "dist")
+
+
+def _another_loader(model: nn.Module, dataloader, config: Config, first: _Accelerated):
+    """accelerate() of a model it returned already: the loader alone, wrapped as the first call would have with
+    this config's dataloader section (the model keeps what the first call did)."""
+    if dataloader is None:
+        warnings.warn("accelerate(): the model was accelerated already and no dataloader was given: nothing to do",
+                      stacklevel=3)
+        return model
+    changed = [name for name in _MODEL_SECTIONS if getattr(config, name) != getattr(first.config, name)]
+    if changed:
+        warnings.warn(f"accelerate(): the model was accelerated already; this call wraps the loader alone, so "
+                      f"config.{', config.'.join(changed)} of the first call stay", stacklevel=3)
+    if config.dataloader.pack and not first.config.dataloader.pack:
+        raise ValueError("dataloader.pack: the model was accelerated without packing, so it cannot take packed rows; "
+                         "pass dataloader.pack=True to the first accelerate() call (the packed model takes ordinary "
+                         "batches as well)")
+    _pad_with_models_pad_id(config, first.pad_id)
+    drop_full_masks = config.dataloader.drop_full_masks and first.reads_no_mask_as_full
+    return model, _wrap_loader(dataloader, config, first.backend, first.device, distributed.input_sharding(model),
+                               drop_full_masks, first.compiled)
+
+
 def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
     """Apply accel's compiler path, kernels, precision, checkpointing and static-shape loading.
 
@@ -299,6 +340,10 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
             dataset of samples with "input_ids" (see accel.data.packing).
         config: an accel.Config (None: the defaults). It is validated, then copied: later changes to it
             do not reach the returned model.
+
+    A model accelerate() returned may be given again with another loader (an evaluation loader): that call
+    wraps the loader alone, with its config's dataloader section, and returns the same model (its compute,
+    memory and dist sections stay the first call's, with a warning where they differ).
 
     Returns:
         (model, loader) when a dataloader is given, else the model. Build the optimizer from the returned
@@ -311,9 +356,13 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
     if not isinstance(config, Config):
         raise ValueError(f"config: expected an accel.Config or None, got {type(config).__name__}")
     config.validate()
+    given = copy.deepcopy(config)  # as the user gave it (below, the working copy takes what this call decides)
     config = copy.deepcopy(config)
     if dataloader is not None and not hasattr(dataloader, "__iter__"):
         raise ValueError(f"dataloader: expected None or an iterable of batches, got {type(dataloader).__name__}")
+    first = getattr(model, _ACCELERATED, None)
+    if isinstance(first, _Accelerated):
+        return _another_loader(model, dataloader, config, first)
     if (config.dataloader.pack or config.dataloader.bucket_lengths()) and dataloader is None:
         warnings.warn("accelerate(): config.dataloader asks for static shapes but no dataloader was given",
                       stacklevel=2)
@@ -339,8 +388,10 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         keep_freed_memory()
     model = model.to(device)
     # before any wrapper hides the model's class (and its config)
-    drop_full_masks = config.dataloader.drop_full_masks and dataloader is not None and reads_no_mask_as_full(model)
-    _pad_with_models_pad_id(config, model)
+    no_mask_as_full = reads_no_mask_as_full(model)
+    drop_full_masks = config.dataloader.drop_full_masks and dataloader is not None and no_mask_as_full
+    pad_id = _models_pad_id(model)
+    _pad_with_models_pad_id(config, pad_id)
     if onednn_products:  # eager calls; compiled graphs get a graph pass (below)
         from torch.nn.modules.linear import Linear
 
@@ -401,6 +452,8 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
                      and config.compute.optimizer_cuda_graphs,
                      graph_steps=backend == "cuda" and config.compute.step_graph)
 
+    # nn.Module.__setattr__ keeps a plain object as an attribute; a later call finds it (an evaluation loader)
+    setattr(model, _ACCELERATED, _Accelerated(given, backend, device, compiled, no_mask_as_full, pad_id))
     if dataloader is None:
         return model
     return model, _wrap_loader(dataloader, config, backend, device, distributed.input_sharding(model),

@@ -514,6 +514,44 @@ def test_background_prefetch_says_which_thread_reads_the_loader(background):
     assert any(prefetch_thread_alive) == bool(background)
 
 
+def test_a_second_call_wraps_an_evaluation_loader_alone():
+    # The returned model given again with an evaluation loader: the same model back (not accelerated twice) and
+    # the loader wrapped with this call's dataloader section; evaluation gives the plain model's logits.
+    config = cpu_config(compile=False)
+    config.dataloader.buckets = [16, 32]
+    reference = tiny_bert().eval()
+    model, _ = accel.accelerate(copy.deepcopy(reference), loader(), config)
+    eval_config = cpu_config(compile=False)
+    eval_config.dataloader.buckets = [32]
+    again, eval_loader = accel.accelerate(model, loader([4, 6, 21, 9]), eval_config)
+    assert again is model
+    model.eval()
+    with torch.no_grad():
+        for batch in eval_loader:
+            assert batch["input_ids"].shape[1] == 32  # this call's buckets
+            torch.testing.assert_close(model(**batch).logits, reference(**batch).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:dataloader.pack. the loader's collate_fn")  # packing replaces pad_to_longest
+def test_a_second_call_on_a_packed_model_keeps_one_wrapper_and_names_what_it_cannot_do():
+    from accel.compiler.packed import PackedModel
+
+    config = cpu_config(compile=False)
+    config.dataloader.pack, config.dataloader.max_length = True, 32
+    model, _ = accel.accelerate(tiny_bert(), loader(), config)
+    again, eval_loader = accel.accelerate(model, loader(), config)
+    assert again is model and isinstance(model, PackedModel) and not isinstance(model.model, PackedModel)
+    assert "segment_ids" in next(iter(eval_loader))  # packed as asked
+    with pytest.warns(UserWarning, match=r"config.compute of the first call stay"):
+        _, plain = accel.accelerate(model, loader(), cpu_config(compile=False, kernels=False))
+    assert "segment_ids" not in next(iter(plain))  # ordinary batches, which the packed model takes too
+    with pytest.warns(UserWarning, match="no dataloader was given"):
+        assert accel.accelerate(model) is model
+    unpacked, _ = accel.accelerate(tiny_bert(), loader(), cpu_config(compile=False))
+    with pytest.raises(ValueError, match="dataloader.pack: the model was accelerated without packing"):
+        accel.accelerate(unpacked, loader(), config)
+
+
 def test_a_batch_longer_than_every_bucket_is_an_error():
     config = cpu_config(compile=False, kernels=False)
     config.dataloader.buckets = [8, 16]
