@@ -66,9 +66,9 @@ What it does, in order (each step says why it sits where it does):
    padded to a bucket length) or packing; or, with dataloader.drop_full_masks, a transformers model's
    all-ones attention masks dropped on the host (accel.data.full_mask); then the backend's device loader
    (MpDeviceLoader on xla, the Prefetcher with pinned host memory and a reading thread on cuda, the
-   Prefetcher reading in the training thread on cpu, whose cores the step's threads use; a loader whose reads draw random numbers in the main process, e.g. a masked-LM collator with
-   num_workers=0, is read when the loop asks for each batch, so a seed reproduces the run and a checkpoint
-   resumes it exactly); for a compiled model without buckets or packing, a warning when its batches come in
+   Prefetcher reading in the training thread on cpu, whose cores the step's threads use; a loader whose reads
+   draw random numbers in the main process, e.g. a masked-LM collator with num_workers=0, is read when the loop
+   asks for each batch, so a seed reproduces the run and a checkpoint resumes it exactly); for a compiled model without buckets or packing, a warning when its batches come in
    more shapes than full and last batches give (accel.compiler.batch_shapes); with compute.recompile_guard, a
    guard that warns about compilations after the first steps.
 

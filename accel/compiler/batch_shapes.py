@@ -17,7 +17,7 @@ import os
 import sys
 import warnings
 
-from accel.compiler.recompile_guard import _flatten
+from accel.compiler.recompile_guard import flatten_inputs
 from accel.utils.loader import LoaderWrapper
 
 # Full batches and a shorter last one: two shapes that a static-shape loader also brings.
@@ -33,7 +33,7 @@ class ManyShapesWarning(UserWarning):
 def _shapes(batch) -> tuple:
     """((path, shape), ...) of the batch's tensors, in the batch's order."""
     found: dict = {}
-    _flatten(batch, "batch", found)
+    flatten_inputs(batch, "batch", found)
     return tuple((path, tuple(shape)) for path, (shape, _) in found.items() if shape is not None)
 
 

@@ -98,7 +98,7 @@ class RecompileEvent:
         return out
 
 
-def _flatten(obj: Any, path: str, out: dict) -> None:
+def flatten_inputs(obj: Any, path: str, out: dict) -> None:
     """Record obj's tensors (shape, dtype) and Python scalars (None, value) in `out`, keyed by path.
 
     The containers and their order follow accel.utils.batch.map_tensors (mappings such as BatchEncoding,
@@ -110,16 +110,16 @@ def _flatten(obj: Any, path: str, out: dict) -> None:
         out[path] = (obj.shape, obj.dtype)
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
-            _flatten(value, f"{path}[{key!r}]", out)
+            flatten_inputs(value, f"{path}[{key!r}]", out)
     elif _is_namedtuple(obj):
         for field, value in zip(obj._fields, obj):
-            _flatten(value, f"{path}.{field}", out)
+            flatten_inputs(value, f"{path}.{field}", out)
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
-            _flatten(value, f"{path}[{i}]", out)
+            flatten_inputs(value, f"{path}[{i}]", out)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            _flatten(getattr(obj, f.name), f"{path}.{f.name}", out)
+            flatten_inputs(getattr(obj, f.name), f"{path}.{f.name}", out)
     elif type(obj) in _SCALARS:
         out[path] = (None, obj)
 
@@ -318,7 +318,7 @@ class RecompileGuard:
             inputs: a tensor or a nested batch (dicts, lists, tuples, namedtuples, dataclasses, BatchEncoding).
         """
         snapshot: dict = {}
-        _flatten(inputs, self.name, snapshot)
+        flatten_inputs(inputs, self.name, snapshot)
         self._set_pending(snapshot, inputs)
 
     def step(self, inputs: Any = _NOT_GIVEN) -> Optional[RecompileEvent]:
@@ -377,9 +377,9 @@ class RecompileGuard:
                 self._pending = None
             snapshot: dict = {}
             for i, value in enumerate(args):
-                _flatten(value, names[i] if i < len(names) else f"args[{i}]", snapshot)
+                flatten_inputs(value, names[i] if i < len(names) else f"args[{i}]", snapshot)
             for key, value in kwargs.items():
-                _flatten(value, key, snapshot)
+                flatten_inputs(value, key, snapshot)
             # Dynamo guards on both: an eval pass under no_grad recompiles, and the warning should say so.
             snapshot["torch.is_grad_enabled()"] = (None, torch.is_grad_enabled())
             # The wrapped model's flag: OptimizedModule keeps a .training of its own.
