@@ -293,6 +293,11 @@ def _wrap_loader(loader, config: Config, backend: str, device: torch.device, inp
     return loader
 
 
+def _static_shapes(config: Config) -> int:
+    """The batch lengths the loader's batches take: its buckets; packed or unbucketed, one."""
+    return len(config.dataloader.bucket_lengths() or ()) or 1
+
+
 @dataclasses.dataclass(frozen=True)
 class _Accelerated:
     """What accelerate() did to a model, kept on the model it returns (attribute _ACCELERATED): a later call
@@ -324,6 +329,10 @@ def _another_loader(model: nn.Module, dataloader, config: Config, first: _Accele
         raise ValueError("dataloader.pack: the model was accelerated without packing, so it cannot take packed rows; "
                          "pass dataloader.pack=True to the first accelerate() call (the packed model takes ordinary "
                          "batches as well)")
+    if first.compiled:  # this loader's shapes get graphs of their own (no_grad and eval mode: other graphs too)
+        from accel.utils.dynamo import allow_recompiles
+
+        allow_recompiles(2 * (_static_shapes(first.config) + _static_shapes(config)) + 2)
     _pad_with_models_pad_id(config, first.pad_id)
     drop_full_masks = config.dataloader.drop_full_masks and first.reads_no_mask_as_full
     return model, _wrap_loader(dataloader, config, first.backend, first.device, distributed.input_sharding(model),
@@ -430,7 +439,7 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         _AutocastForward(model, device.type, dtype, cache_casts=not config.compute.step_graph).install()
     model = distributed.wrap_model(model, backend, device, config.dist, dtype)
     if compiled:
-        n_shapes = len(config.dataloader.bucket_lengths() or ()) or 1  # packed or unbucketed: one length
+        n_shapes = _static_shapes(config)
         # a whole-step graph (compute.step_graph) cannot hold the model's own graph replays
         cuda_graphs = config.compute.cuda_graphs and not config.compute.step_graph
         inductor_options = dict(config.compute.inductor_options)

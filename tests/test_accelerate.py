@@ -532,6 +532,22 @@ def test_a_second_call_wraps_an_evaluation_loader_alone():
             torch.testing.assert_close(model(**batch).logits, reference(**batch).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_second_call_makes_room_for_the_evaluation_loaders_graphs(monkeypatch):
+    # Training graphs for 4 buckets (and shorter last batches), evaluation graphs (no_grad, eval mode) for 4 more:
+    # past Dynamo's limit a new training shape would run uncompiled for the rest of the run.
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # restored after the test
+    config = cpu_config()
+    config.dataloader.buckets = [8, 16, 24, 32]
+    model, _ = accel.accelerate(tiny_bert(), loader(), config)
+    assert torch._dynamo.config.recompile_limit == 2 * 4 + 2
+    eval_config = cpu_config()
+    eval_config.dataloader.buckets = [12, 20, 28, 36]
+    accel.accelerate(model, loader(), eval_config)
+    assert torch._dynamo.config.recompile_limit == 2 * (4 + 4) + 2
+
+
 @pytest.mark.filterwarnings("ignore:dataloader.pack. the loader's collate_fn")  # packing replaces pad_to_longest
 def test_a_second_call_on_a_packed_model_keeps_one_wrapper_and_names_what_it_cannot_do():
     from accel.compiler.packed import PackedModel
