@@ -94,6 +94,7 @@ from accel.runtime import policy
 from accel.runtime.host_memory import keep_freed_memory
 from accel.utils.cpu import native, warn_emulated
 from accel.utils.instance_forward import InstanceForward
+from accel.utils.transformers_models import name_the_default_loss
 from accel.utils.xla import require_xla, xla_available, xla_on_accelerator, xla_on_cpu_client
 
 __all__ = ["accelerate", "resolve_backend"]
@@ -396,6 +397,7 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
     if config.memory.keep_freed_memory and _runs_on_cpu(backend):
         keep_freed_memory()
     model = model.to(device)
+    name_the_default_loss(model)  # GPT-2's loss without transformers' per-call warning (a graph break)
     # before any wrapper hides the model's class (and its config)
     no_mask_as_full = reads_no_mask_as_full(model)
     drop_full_masks = config.dataloader.drop_full_masks and dataloader is not None and no_mask_as_full

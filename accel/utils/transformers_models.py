@@ -18,3 +18,14 @@ def kv_cache_types() -> tuple[type, ...]:
     not loaded (no cache can exist before it is)."""
     cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
     return (cache,) if isinstance(cache, type) else ()
+
+
+def name_the_default_loss(model) -> None:
+    """Give each transformers causal LM in `model` whose loss_type transformers could not read from its class name
+    (GPT2LMHeadModel's is None) the loss transformers falls back to anyway, "ForCausalLM". Its fallback logs a
+    warning (logger.warning_once) inside every forward that computes a loss, where torch.compile breaks the graph
+    (3 breaks a GPT-2 training step); with the name set the loss is the same function, without the call."""
+    for module in model.modules():
+        if (is_transformers_model(module) and type(module).__name__.endswith(CAUSAL_LM_HEADS)
+                and hasattr(type(module), "loss_function") and getattr(module, "loss_type", "") is None):
+            module.loss_type = "ForCausalLM"
