@@ -10,7 +10,8 @@ from accel.checkpoint import auto_checkpoint
 from accel.compiler.step_graph import graph_step
 from accel.config import Config
 from accel.distributed import accumulate
+from accel.evaluation import gather_for_metrics
 from accel.state import load_state, save_state, wait_for_save
 
-__all__ = ["Config", "accelerate", "accumulate", "auto_checkpoint", "graph_step", "load_state", "save_state",
-           "wait_for_save"]
+__all__ = ["Config", "accelerate", "accumulate", "auto_checkpoint", "gather_for_metrics", "graph_step", "load_state",
+           "save_state", "wait_for_save"]
