@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import time
 import traceback
 
 import pytest
@@ -16,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import accel
+from tests._spawn import run_processes
 
 WORLD, SAMPLES, BATCH = 2, 11, 3  # 6 positions a rank, the last one of rank 1 a repeat
 DEADLINE_S = 180
@@ -62,19 +62,8 @@ def _worker(rank: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     out = str(tmp_path_factory.mktemp("gather"))
-    context = mp.start_processes(_worker, args=(out,), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {WORLD} processes did not finish within {DEADLINE_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    run_processes(_worker, (out,), WORLD, DEADLINE_S)
     per_rank = []
     for rank in range(WORLD):
         with open(os.path.join(out, f"rank{rank}.json")) as f:

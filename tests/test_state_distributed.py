@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from tests._spawn import run_processes
+
 WORLD = 2
 EPOCHS, PER_RANK_BATCH, SAMPLES = 2, 4, 32  # 4 steps per epoch on each rank
 STOP_AT = 5  # mid-epoch 1
@@ -272,19 +274,8 @@ def _worker(rank: int, out: str) -> None:
 # ---------------------------------------------------------------- the tests
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     out = str(tmp_path_factory.mktemp("state_dist"))
-    context = mp.start_processes(_worker, args=(out,), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {WORLD} processes did not finish within {DEADLINE_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    run_processes(_worker, (out,), WORLD, DEADLINE_S)
     return out
 
 
