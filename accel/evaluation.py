@@ -46,14 +46,18 @@ def _sharding(loader):
     return resumable, None
 
 
-def gather_for_metrics(data, loader):
+def gather_for_metrics(data, loader, pad_index=None):
     """Every rank's `data` for the batch the loop took last from `loader`, in the sampler's order, each sample
     once (see the module docstring).
 
     Args:
         data: a tensor, or tensors nested in lists, tuples and dicts, each with the batch's samples along dim 0
-            ([B, ...]; the same shapes on every rank).
+            ([B, ...]; the same shapes on every rank unless pad_index is given).
         loader: the evaluation loader accel.accelerate() returned.
+        pad_index: where a tensor's other dimensions differ between ranks (per-token predictions of batches
+            padded to their own longest sample), each rank's is padded at the end of those dimensions to the
+            longest with this value (HF Accelerate's pad_across_processes; -100 for labels), then gathered.
+            None: differing shapes are an error.
 
     Returns:
         `data`'s structure with each tensor [n, ...]: n = W * B, less the repeated samples on the pass's last
@@ -61,7 +65,8 @@ def gather_for_metrics(data, loader):
 
     Raises:
         ValueError: loader is not one accelerate() returned, or shards by whole batches; a tensor whose dim 0 is
-            not the batch's; shapes that differ between ranks (on every rank alike).
+            not the batch's; shapes that differ between ranks without pad_index, or in their number of
+            dimensions or rows (on every rank alike).
     """
     resumable, sampler = _sharding(loader)
     if sampler is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -79,8 +84,12 @@ def gather_for_metrics(data, loader):
     everyone = [torch.empty_like(shapes) for _ in range(world)]
     dist.all_gather(everyone, shapes)
     if any(not torch.equal(other, shapes) for other in everyone):
-        raise ValueError("data: shapes differ between ranks (pad them to one length, e.g. with dataloader.buckets "
-                         "and the longest bucket); got " + ", ".join(str(o.tolist()) for o in everyone))
+        if pad_index is None or not _same_ranks_and_rows(everyone):
+            raise ValueError("data: shapes differ between ranks (pass pad_index to pad the other dimensions to the "
+                             "longest, or pad to one length, e.g. with dataloader.buckets); got "
+                             + ", ".join(str(o.tolist()) for o in everyone))
+        longest = _split_shapes(torch.stack(everyone).amax(0), tensors)
+        data = map_tensors(data, lambda t: _pad_to(t, longest[id(t)], pad_index))
     first = (resumable.position - 1) * batch_size  # the rank's first sample of this batch in the pass
     keep = max(0, min(rows * world, len(sampler.dataset) - first * world)) if not sampler.drop_last else rows * world
 
@@ -91,3 +100,33 @@ def gather_for_metrics(data, loader):
         return torch.stack(parts, 1).flatten(0, 1)[:keep]
 
     return map_tensors(data, gather)
+
+
+def _same_ranks_and_rows(everyone: list) -> bool:
+    """Whether every rank's shape list has each tensor's rank and row count alike (only trailing sizes differ)."""
+    first = everyone[0].tolist()
+    for other in everyone[1:]:
+        other, i = other.tolist(), 0
+        while i < len(first):
+            dims = first[i]
+            if other[i] != dims or other[i + 1] != first[i + 1]:
+                return False
+            i += dims + 1
+    return True
+
+
+def _split_shapes(flat: torch.Tensor, tensors: list) -> dict:
+    """{id(tensor): its longest shape over the ranks} from the flat (dim, *shape) list."""
+    out, i, flat = {}, 0, flat.tolist()
+    for t in tensors:
+        out[id(t)] = flat[i + 1:i + 1 + t.dim()]
+        i += t.dim() + 1
+    return out
+
+
+def _pad_to(t: torch.Tensor, shape: list, value) -> torch.Tensor:
+    """t padded at the end of each dimension to `shape` with `value`."""
+    pad = []
+    for have, want in zip(reversed(t.shape), reversed(shape)):
+        pad += [0, want - have]
+    return torch.nn.functional.pad(t, pad, value=value) if any(pad) else t

@@ -52,6 +52,9 @@ def _worker(rank: int, out: str) -> None:
             result["mismatch"] = "no error"
         except ValueError as e:
             result["mismatch"] = str(e)
+        # per-token values of batches padded to their own longest sample: 4 tokens on rank 0, 6 on rank 1
+        tokens = index.unsqueeze(1).expand(-1, 4 + 2 * rank).contiguous()
+        result["padded"] = accel.gather_for_metrics(tokens, loader, pad_index=-1).tolist()
     except Exception:  # noqa: BLE001 - reported by the test
         result["error"] = traceback.format_exc()
     finally:
@@ -91,9 +94,12 @@ def test_every_sample_once_in_the_samplers_order_on_every_rank(results, shuffle)
 
 @pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
-def test_shapes_that_differ_between_ranks_raise_on_every_rank(results):
+def test_shapes_that_differ_between_ranks_raise_on_every_rank_or_are_padded(results):
+    # rows of the first batch: positions 0..5, rank 0's even ones (4 tokens, padded with -1), rank 1's odd (6)
+    want = [[i] * 4 + [-1, -1] if i % 2 == 0 else [i] * 6 for i in range(2 * BATCH)]
     for result in results:
-        assert "shapes differ between ranks" in result["mismatch"]
+        assert "shapes differ between ranks" in result["mismatch"]  # rows differ: no padding helps
+        assert result["padded"] == want
 
 
 def test_one_process_gets_its_data_back_and_bad_loaders_are_named():
