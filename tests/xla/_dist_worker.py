@@ -168,6 +168,19 @@ if mode == "full":
     res["rendezvous"] = [p.decode() for p in xm.rendezvous("check", f"hello{rank}".encode())]
     xm.save({"rank": rank, "w": model.weight}, os.path.join(out_dir, "ckpt.pt"))
 
+    # An evaluation loader accelerate() shards over the xla group: 11 samples, 3 a batch, so one repeat; the
+    # gathered indices are every sample once, in order.
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import accel
+
+    data = TensorDataset(torch.arange(11))
+    _, loader = accel.accelerate(torch.nn.Linear(1, 1), DataLoader(data, batch_size=3), accel.Config(backend="xla"))
+    gathered = []
+    for (index,) in loader:
+        gathered += accel.gather_for_metrics(index, loader).cpu().tolist()
+    res["gather_for_metrics"] = gathered
+
 dist.barrier()
 tmp = os.path.join(out_dir, f".rank{rank}.json.tmp")
 with open(tmp, "w") as f:

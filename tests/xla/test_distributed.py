@@ -49,6 +49,13 @@ def test_topology_comes_from_the_process_group(full_run):
 
 
 @pytest.mark.slow
+def test_gather_for_metrics_over_the_xla_group(full_run):
+    _, ranks = full_run
+    for res in ranks:
+        assert res["gather_for_metrics"] == list(range(11))  # each sample once, the repeat dropped
+
+
+@pytest.mark.slow
 def test_torch_distributed_collectives_are_cross_process(full_run):
     _, ranks = full_run
     for r, res in enumerate(ranks):
