@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
+from accel.data.sharding import ShardedBatchSampler
 from accel.utils.batch import iter_tensors, map_tensors
 
 __all__ = ["gather_for_metrics"]
@@ -38,8 +39,7 @@ def _sharding(loader):
     sampler = getattr(inner, "sampler", None)
     if isinstance(sampler, DistributedSampler):
         return resumable, sampler
-    batch_sampler = getattr(inner, "batch_sampler", None)
-    if batch_sampler is not None and type(batch_sampler).__name__ == "ShardedBatchSampler":
+    if isinstance(getattr(inner, "batch_sampler", None), ShardedBatchSampler):
         raise ValueError("loader: its batches come from a batch sampler of its own (buckets), which accelerate() "
                          "shards by whole batches and drops the tail not every rank would get; gather_for_metrics "
                          "needs a DataLoader with a batch_size (pad to buckets with dataloader.buckets instead)")

@@ -14,7 +14,7 @@ import weakref
 from accel.data._pipeline import END, TransferPipeline, _Failure
 from accel.utils.batch import resolve_device
 from accel.utils.loader import LoaderWrapper
-from accel.utils.rng import draws_from_host_rngs
+from accel.utils.rng import read_when_asked
 from accel.utils.xla import is_xla_device, mark_step
 
 _OPTIONS = ("loader_prefetch_size", "device_prefetch_size", "input_sharding")
@@ -62,16 +62,12 @@ class _DeviceLoaderIterator:
 
         if self._iterator is None:
             self._iterator = iter(self._loader)
-        if self._reads == 1:
-            item, drew = draws_from_host_rngs(read)
-            if not drew and item is not END:
-                self._ahead = True
-                # the read thread holds the iterator from now on (dropping it there stops DataLoader workers)
-                iterator, self._iterator = self._iterator, None
-                self._pipeline.start(iterator)
-        else:
-            item = read()
+        item, self._ahead = read_when_asked(read, self._reads, END)
         self._reads += 1
+        if self._ahead:
+            # the read thread holds the iterator from now on (dropping it there stops DataLoader workers)
+            iterator, self._iterator = self._iterator, None
+            self._pipeline.start(iterator)
         return item
 
     def __next__(self):

@@ -59,9 +59,15 @@ def same_host_rng_state(a: dict, b: dict) -> bool:
             and torch.equal(na["keys"], nb["keys"]))
 
 
-def draws_from_host_rngs(fn):
-    """(fn(), whether it drew from the host's global RNGs). For a call with no other thread drawing meanwhile:
-    the device loaders ask it of their second read (accel.runtime.io.prefetcher)."""
+def read_when_asked(read, reads_so_far: int, end) -> tuple:
+    """(read(), whether reads may run ahead of the loop from now on), for a device loader's read that the loop
+    asked for, in its thread. The pass's second read is the probe (the first also creates the iterator, whose
+    worker base seed and shuffling sampler's seed are draws anyway): reads may go ahead where it left the host's
+    global RNGs as they were and the pass goes on (`end`: what read() returns at its end). Where it drew, a read
+    ahead would take its numbers at another point of the stream than the step's own draws (from a thread: at a
+    point that depends on timing), so a seed would not reproduce a run nor a checkpoint resume it."""
+    if reads_so_far != 1:
+        return read(), False
     before = host_rng_state()
-    out = fn()
-    return out, not same_host_rng_state(before, host_rng_state())
+    item = read()
+    return item, item is not end and same_host_rng_state(before, host_rng_state())

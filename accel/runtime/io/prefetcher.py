@@ -61,7 +61,7 @@ import torch
 
 from accel.utils.batch import SideStreamCopy, move_to_device, resolve_device
 from accel.utils.checks import check_bool
-from accel.utils.rng import draws_from_host_rngs
+from accel.utils.rng import read_when_asked
 from accel.utils.threads_at_exit import close_at_exit
 from accel.utils.xla import is_xla_device
 
@@ -229,22 +229,13 @@ class _Pass:
         return self.transfer.host(batch)
 
     def _read_on_demand(self):
-        """Read the batch the loop asks for now, in its thread, as a loop without a Prefetcher does. The second
-        read is the probe: where it leaves the host's global RNGs as they were (the first read also creates the
-        iterator, which draws a worker base seed and a shuffling sampler's seed), reads run ahead from then on.
-        Where it draws from them (random masking or augmentation in the dataset or collate_fn with
-        num_workers=0, or in a CPU preprocess_fn), every read of this pass stays here: a read ahead would take
-        its numbers at another point of the stream (and, from a thread, race the training step's own draws),
-        so a seed would not reproduce a run nor a checkpoint resume it exactly."""
+        """Read the batch the loop asks for now, in its thread, as a loop without a Prefetcher does; from the
+        probe on (accel.utils.rng.read_when_asked), reads run ahead where the loader draws no random numbers."""
         def read():
             host = self._read()
             return host if host is _END else self.transfer.to_device(host)
 
-        if self.reads == 1:
-            item, drew = draws_from_host_rngs(read)
-            self.ahead = not drew and item is not _END
-        else:
-            item = read()
+        item, self.ahead = read_when_asked(read, self.reads, _END)
         self.reads += 1
         return item
 
