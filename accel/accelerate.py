@@ -429,7 +429,8 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
     if config.dataloader.pack:  # packed rows pool one token per sample: PackedModel cuts the last layer itself
         from accel.compiler.packed import PackedModel
 
-        model = PackedModel(model, first_tokens_only=config.compute.first_token_only)
+        model = PackedModel(model, first_tokens_only=config.compute.first_token_only,
+                            cuda_varlen=config.compute.cuda_varlen_attention)
     else:
         if config.compute.first_token_only:
             from accel.compiler.first_token import first_token_only

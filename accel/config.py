@@ -121,6 +121,14 @@ class ComputeConfig(_Section):
         until it wins: BERT-base bf16 training on a 2-core AVX512-BF16 CPU, compiled, alternating steps
         (2026-11-27): 0.96x, 1.02x at 8x128 and 0.97x at 32x128, i.e. noise. To be measured on a GPU, where
         small products leave tensor cores idle (`bert_base.py --modes accel,accel:compute.fuse_qkv=true`).
+    cuda_varlen_attention: under dataloader.pack on CUDA, a transformers model's self-attention with "sdpa" computes
+        each packed sample alone by torch's FlashAttention varlen kernel (torch 2.10+, compute capability 8.0+;
+        accel.runtime.nn.varlen_attention.flash_varlen_attention; causal decoders with sliding windows and
+        grouped key/value heads too) instead of SDPA over the whole row with the [B, 1, L, L] document mask, whose
+        cost grows with the row and not with its samples. Calls the kernel does not take keep the mask: attention
+        dropout while training (BERT's, GPT-2's), fp32, head sizes over 256. Off until it wins on a GPU
+        (`causal_lm.py --modes peer,accel,accel:compute.cuda_varlen_attention=true`); the CPU always computes
+        packed samples alone (compute.cpu_attention).
     step_graph: the training step will be one CUDA graph, captured by accel.graph_step around the user's
         step function (accel.compiler.step_graph): the model is compiled without graphs of its own (one
         capture cannot hold another's replays) and optimizers built over it get a device-tensor learning rate
@@ -167,6 +175,7 @@ class ComputeConfig(_Section):
     recompile_guard: bool = False
     first_token_only: bool = True
     fuse_qkv: bool = False
+    cuda_varlen_attention: bool = False
     step_graph: bool = False
     cpu_gemm: str = "auto"
     cpu_attention: str = "auto"

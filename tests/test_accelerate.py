@@ -18,6 +18,7 @@ from accel.compiler.optimizer import has_compiled_step, has_cuda_graph_step, use
 from accel.config import Config
 from accel.runtime import hooks
 from accel.utils.xla import xla_available
+from tests._varlen_kernel import varlen_kernel
 
 accelerate_module = importlib.import_module("accel.accelerate")  # accel.accelerate is the function
 transformers = pytest.importorskip("transformers", reason="accelerate() is tested on transformers' BERT")
@@ -749,9 +750,13 @@ def test_pack_gives_packed_rows_and_the_loss_of_the_samples_alone(fuse_qkv):
     assert sorted(seen) == sorted(LENGTHS)  # every sample exactly once
 
 
-def test_pack_trains_a_causal_lm_on_each_sample_alone():
+@pytest.mark.parametrize("cuda_varlen", [False, True], ids=["per_sample", "cuda_varlen"])
+def test_pack_trains_a_causal_lm_on_each_sample_alone(monkeypatch, cuda_varlen):
     """dataloader.pack with a causal language model (compiled, as accelerate() runs it by default): each packed
-    batch's loss is the loss over the same samples' tokens computed alone, no token learning across a boundary."""
+    batch's loss is the loss over the same samples' tokens computed alone, no token learning across a boundary.
+    compute.cuda_varlen_attention reaches the packed model: on the CPU through the varlen kernel's reference
+    (tests/_varlen_kernel.py), once a layer."""
+    calls = varlen_kernel(monkeypatch) if cuda_varlen else []
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
     torch.manual_seed(0)
@@ -759,6 +764,7 @@ def test_pack_trains_a_causal_lm_on_each_sample_alone():
     data = [{"input_ids": s["input_ids"], "labels": s["input_ids"]} for s in samples(LENGTHS)]
     config = cpu_config(kernels=False)
     config.dataloader.pack, config.dataloader.max_length = True, 32
+    config.compute.cuda_varlen_attention = cuda_varlen
     model, wrapped = accel.accelerate(copy.deepcopy(ref), torch.utils.data.DataLoader(data, batch_size=4), config)
     seen = []
     for batch in wrapped:
@@ -775,6 +781,7 @@ def test_pack_trains_a_causal_lm_on_each_sample_alone():
                 start += n
         torch.testing.assert_close(loss, expected / targets, rtol=1e-4, atol=1e-5)
     assert sorted(seen) == sorted(LENGTHS)
+    assert bool(calls) == cuda_varlen
 
 
 @pytest.mark.parametrize("on", [True, False])

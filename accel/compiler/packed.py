@@ -25,8 +25,9 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from accel.compiler.first_token import last_layer_rows, sees_every_position
-from accel.compiler.unpadded_attention import ACCEL_SDPA, SDPA, SEGMENT_IDS, SEGMENTS_CAUSAL
-from accel.data.packing import LABEL_PAD, block_diagonal_mask
+from accel.compiler.unpadded_attention import ACCEL_SDPA, CU_SEQLENS, SDPA, SEGMENT_IDS, SEGMENTS_CAUSAL
+from accel.data.packing import LABEL_PAD, block_diagonal_mask, static_cu_seqlens
+from accel.runtime.nn import varlen_attention
 from accel.utils.transformers_models import CAUSAL_LM_HEADS
 
 FLEX = "flex_attention"
@@ -194,6 +195,10 @@ class PackedModel(nn.Module):
         model: the transformers model to wrap.
         first_tokens_only: let a sequence classifier's last layer compute only the samples' tokens its head reads
             (accelerate()'s compute.first_token_only). Outputs and gradients are the same either way.
+        cuda_varlen: on CUDA, an "accel_sdpa" model's self-attention computes each sample alone by torch's
+            FlashAttention varlen kernel (torch 2.10+, compute capability 8.0+; accelerate()'s
+            compute.cuda_varlen_attention) for batches that carry seq_lens, where the call allows it (no attention
+            dropout while training, 16-bit, a head size up to 256); elsewhere the document mask.
 
     Raises:
         ValueError: an encoder-decoder model, ALiBi attention, an encoder head on a decoder, an attention
@@ -201,7 +206,7 @@ class PackedModel(nn.Module):
             multi-label or without a first-token pooler.
     """
 
-    def __init__(self, model: nn.Module, first_tokens_only: bool = True):
+    def __init__(self, model: nn.Module, first_tokens_only: bool = True, cuda_varlen: bool = False):
         super().__init__()
         config = getattr(model, "config", None)
         if not isinstance(model, nn.Module) or config is None:
@@ -234,6 +239,7 @@ class PackedModel(nn.Module):
             raise ValueError(f"model {name} has an unsupported head; PackedModel supports "
                              f"*{', *'.join(_TOKEN_HEADS + CAUSAL_LM_HEADS)} and *{_SEQUENCE_HEAD}")
         self.model = model
+        self.cuda_varlen = cuda_varlen
         # Whether extra keyword arguments reach the attention functions (transformers 5's **kwargs)
         self._passes_kwargs = all(_takes_var_keywords(type(m).forward) for m in (model, model.base_model))
         # The selecting forward of the last layer (a plain object, not a submodule), or None: the full layer.
@@ -294,9 +300,10 @@ class PackedModel(nn.Module):
             labels: token heads and causal language models: per-token [B, L], -100 ignored (a causal model's
                 loss predicts each token's label from the token before it, as unpacked). Sequence
                 classification: one class id per segment [B, S] in segment order, -100 for missing segments.
-            seq_lens: optional [B, S] sample lengths; only its shape is used, to fix S for sequence
-                classification without labels (otherwise S = segment_ids.max(), a host sync that also breaks
-                a torch.compile graph).
+            seq_lens: optional [B, S] sample lengths in row order, 0-padded (from PackedDataset, agreeing with
+                segment_ids). Its shape fixes S for sequence classification without labels (otherwise S =
+                segment_ids.max(), a host sync that also breaks a torch.compile graph); with cuda_varlen its
+                values give the kernel's sample offsets.
             **kwargs: passed to the model (e.g. output_hidden_states). attention_mask, cu_seqlens and
                 max_seqlen are refused: the mask is built here from segment_ids.
 
@@ -341,10 +348,19 @@ class PackedModel(nn.Module):
             local = document_mask(segment_ids, backend, dtype=self.model.dtype, causal=True, window=window)
             # transformers' models with local and global layers take one mask per kind of layer
             mask = local if every_layer else {"full_attention": mask, "sliding_attention": local}
-        if (backend == ACCEL_SDPA and input_ids.device.type == "cpu" and not isinstance(mask, dict)
+        if (self.cuda_varlen and backend == ACCEL_SDPA and seq_lens is not None and self._passes_kwargs
+                and varlen_attention.flash_varlen_runs_on(input_ids.device)):
+            # ACCEL_SDPA's attention computes each sample alone on CUDA by FlashAttention's varlen kernel, over
+            # offsets of a static shape; the mask stays for the calls that kernel does not take (attention dropout,
+            # a first-token-only last layer)
+            if seq_lens.dim() != 2 or seq_lens.shape[0] != input_ids.shape[0]:
+                raise ValueError(f"seq_lens must be [B={input_ids.shape[0]}, S], got {tuple(seq_lens.shape)}")
+            kwargs[SEGMENT_IDS], kwargs[SEGMENTS_CAUSAL] = segment_ids, decoder
+            kwargs[CU_SEQLENS] = static_cu_seqlens(seq_lens, input_ids.shape[1])
+        elif (backend == ACCEL_SDPA and input_ids.device.type == "cpu" and not isinstance(mask, dict)
                 and self._passes_kwargs):
-            # ACCEL_SDPA's attention computes each sample alone on the CPU (accel.runtime.nn.varlen_attention):
-            # the work of the samples, not of the whole row masked
+            # and on the CPU by accel.runtime.nn.varlen_attention: the work of the samples, not of the whole row
+            # masked
             kwargs[SEGMENT_IDS], kwargs[SEGMENTS_CAUSAL] = segment_ids, decoder
         if token_type_ids is not None:  # not every model takes them (Llama does not)
             kwargs["token_type_ids"] = token_type_ids

@@ -56,6 +56,8 @@ ACCEL_SDPA = "accel_sdpa"
 # whether its document mask is causal (a decoder's).
 SEGMENT_IDS = "accel_segment_ids"
 SEGMENTS_CAUSAL = "accel_segments_causal"
+# On CUDA, with compute.cuda_varlen_attention: the rows' static cu_seqlens (accel.data.packing.static_cu_seqlens)
+CU_SEQLENS = "accel_cu_seqlens"
 # Set by unpadded_attention on a model's modules that hold its config or a sub-config (its attention modules among
 # them): whether their bidirectional 16-bit training attention on the CPU takes plain ops (see the module docstring).
 PLAIN_TRAINING = "_accel_plain_training"
@@ -179,32 +181,52 @@ def _plain_module_attention(module: nn.Module, query, key, value, attention_mask
     return _plain_attention(query, key, value, attention_mask, scaling, _NO_DROPOUT)
 
 
+def _sample_windows(module: nn.Module, kwargs: dict) -> list[int]:
+    """The sliding windows a call asks for: its sliding_window keyword (Mistral's config's, Qwen's per layer) and
+    the module's own."""
+    return [w for w in (kwargs.get("sliding_window"), getattr(module, "sliding_window", None)) if w is not None]
+
+
 def _per_sample(module: nn.Module, query, key, segments, dropout: float, kwargs: dict) -> bool:
-    """Whether a call given packed rows' segment ids computes, with varlen_attention, what its document mask gives:
-    self-attention over the whole row on the CPU, without dropout, soft-capping or a bias, and without a sliding
-    window that cuts inside the row (a key is out of a window W where it is W or more tokens behind the query: a
-    window as long as the row cuts nothing, e.g. Mistral's 4096 over rows of 1024)."""
+    """Whether a call given packed rows' segment ids can compute each sample alone, what its document mask gives:
+    self-attention over the whole row, without dropout, soft-capping or a bias."""
     length = segments.shape[1]
-    windows = (kwargs.get("sliding_window"), getattr(module, "sliding_window", None))
-    return (query.device.type == "cpu" and query.shape[2] == key.shape[2] == length
-            and not (dropout > 0 and module.training) and all(w is None or w >= length for w in windows)
+    return (query.shape[2] == key.shape[2] == length and not (dropout > 0 and module.training)
             and all(kwargs.get(name) is None for name in _SDPA_ONLY_KWARGS))
 
 
+def _per_sample_on_cpu(module: nn.Module, query, key, segments, dropout: float, kwargs: dict) -> bool:
+    """_per_sample with varlen_attention: on the CPU, without a sliding window that cuts inside the row (a key is
+    out of a window W where it is W or more tokens behind the query: a window as long as the row cuts nothing,
+    e.g. Mistral's 4096 over rows of 1024)."""
+    return (query.device.type == "cpu" and _per_sample(module, query, key, segments, dropout, kwargs)
+            and all(w >= segments.shape[1] for w in _sample_windows(module, kwargs)))
+
+
 def _attention(sdpa_forward):
-    """transformers' SDPA attention function; per sample (varlen_attention) for packed rows on the CPU, given their
-    segment ids (SEGMENT_IDS, from PackedModel); or _plain_attention while training with the module's own dropout
-    layer (encoder self-attention with as many key as query heads, nothing else asked of SDPA)."""
+    """transformers' SDPA attention function; per sample for packed rows given their segment ids (SEGMENT_IDS,
+    from PackedModel): varlen_attention on the CPU, torch's FlashAttention varlen kernel on CUDA given their
+    cu_seqlens too (CU_SEQLENS); or _plain_attention while training with the module's own dropout layer (encoder
+    self-attention with as many key as query heads, nothing else asked of SDPA)."""
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         segments, causal = kwargs.pop(SEGMENT_IDS, None), kwargs.pop(SEGMENTS_CAUSAL, False)
-        if segments is not None and _per_sample(module, query, key, segments, dropout, kwargs):
-            from accel.runtime.nn.varlen_attention import varlen_attention
+        cu_seqlens = kwargs.pop(CU_SEQLENS, None)
+        if segments is not None:
+            from accel.runtime.nn import varlen_attention as varlen
 
-            # causal as the document mask it replaces is (not as the module says: some do not say)
-            out = varlen_attention(query, key, value, segments, is_causal=causal, scale=scaling,
-                                   plain=getattr(module, PLAIN_CAUSAL if causal else PLAIN_TRAINING, False))
-            return out.transpose(1, 2).contiguous(), None
+            windows = _sample_windows(module, kwargs)
+            if (cu_seqlens is not None and _per_sample(module, query, key, segments, dropout, kwargs)
+                    and (causal or not windows) and varlen.flash_varlen_fits(query, key)):
+                # a call's keyword and its module name one window (Mistral's, a Qwen layer's) or none
+                out = varlen.flash_varlen_attention(query, key, value, cu_seqlens, is_causal=causal, scale=scaling,
+                                                    window=min(windows, default=None))
+                return out.transpose(1, 2), None
+            if _per_sample_on_cpu(module, query, key, segments, dropout, kwargs):
+                # causal as the document mask it replaces is (not as the module says: some do not say)
+                out = varlen.varlen_attention(query, key, value, segments, is_causal=causal, scale=scaling,
+                                              plain=getattr(module, PLAIN_CAUSAL if causal else PLAIN_TRAINING, False))
+                return out.transpose(1, 2).contiguous(), None
         if _plain_training(module, query, key, attention_mask, dropout, kwargs):
             return _plain_module_attention(module, query, key, value, attention_mask, scaling), None
         layer = _own_dropout(module, dropout) if dropout > 0 and module.training else None

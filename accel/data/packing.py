@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset, default_collate
 
 from accel.data.padding_stats import PaddingStats, check_lengths, consecutive_batches, slots_padded_to_longest
@@ -313,6 +314,23 @@ def cu_seqlens_from_seq_lens(seq_lens: torch.Tensor, row_length: int) -> tuple[t
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
     return cu, max(lengths)
+
+
+def static_cu_seqlens(seq_lens: torch.Tensor, row_length: int) -> torch.Tensor:
+    """cu_seqlens for the batch flattened to [B * row_length], of a shape fixed by seq_lens' [B, S]: int32
+    [B * (S + 1) + 1], computed on seq_lens' device without reading it on the host (a compiled graph and a CUDA
+    graph replay keep it). Every row gives S + 1 sequences, its samples then its padding tail, the missing ones
+    empty (repeated offsets): the same boundaries as cu_seqlens_from_seq_lens, which leaves the empty ones out.
+
+    Assumes seq_lens[b] lists row b's samples in order from its first token, as PackedDataset lays them out, and
+    sums to at most row_length (not checked: that would read it on the host).
+    """
+    if seq_lens.dim() != 2:
+        raise ValueError(f"seq_lens must be [B, S], got shape {tuple(seq_lens.shape)}")
+    lengths = seq_lens.to(torch.int32)
+    tails = row_length - lengths.sum(dim=1, keepdim=True, dtype=torch.int32)
+    ends = torch.cat([lengths, tails], dim=1).flatten().cumsum(0, dtype=torch.int32)
+    return F.pad(ends, (1, 0))
 
 
 class PackedCollator:

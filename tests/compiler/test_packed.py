@@ -11,6 +11,7 @@ import torch
 from accel.compiler.packed import FLEX, PackedModel, document_mask, sliding_window
 from accel.compiler.unpadded_attention import ACCEL_SDPA, unpadded_attention
 from accel.data.packing import LABEL_PAD, PackedCollator, PackedDataset, block_diagonal_mask
+from tests._varlen_kernel import varlen_kernel
 
 transformers = pytest.importorskip("transformers")
 
@@ -750,3 +751,113 @@ def test_packed_distilbert_classifier_matches_each_sample_alone(backend):
     torch.testing.assert_close(out["loss"], expected, **_tolerance("cpu"))
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# compute.cuda_varlen_attention: on CUDA, "accel_sdpa" self-attention over packed rows by torch's FlashAttention varlen
+# kernel, given static cu_seqlens. On the CPU the kernel is replaced by its plain reference
+# (accel.runtime.nn.varlen_attention.reference_varlen_attn) and fp32 let through: what PackedModel and the attention
+# function hand the kernel (offsets, causality, windows, grouped heads) is checked exactly; on a GPU, torch's own.
+VARLEN_FAMILIES = {"llama": (-1, 0), "mistral_window": (3, 0), "gpt2": (-1, 0), "bert": (-1, -1)}
+
+
+def _window_sizes(calls):
+    return [kwargs["window_size"] for _, kwargs in calls]
+
+
+def _cuda_varlen_model(family, attn_pdrop=0.0):
+    """An "accel_sdpa" model: a Llama (grouped key/value heads), a Mistral whose window of 4 cuts inside rows of 16,
+    a GPT-2, a BERT masked LM."""
+    torch.manual_seed(0)
+    if family == "mistral_window":
+        model = _sliding_decoder("mistral", "sdpa")
+    elif family == "gpt2" and attn_pdrop:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32, attn_pdrop=attn_pdrop,
+            attn_implementation="sdpa"))
+    else:
+        return _varlen_model(family)
+    assert unpadded_attention(model)
+    return model.train()
+
+
+def _close_in_norm(got, want, tol):
+    """Within tol of want, relative to want's norm (16-bit kernels round element by element)."""
+    assert (got.float() - want.float()).norm() <= tol * want.float().norm(), (got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", list(VARLEN_FAMILIES))
+def test_cuda_varlen_computes_each_packed_sample_alone(monkeypatch, family, device):
+    """The kernel is called once a layer with each layer's window, and the packed model's logits, loss and gradients
+    are the document mask's (CPU: exactly, fp32; CUDA: bf16 autocast, each within 16-bit rounding)."""
+    calls = varlen_kernel(monkeypatch, device)
+    model = _cuda_varlen_model(family).to(device)
+    packed, masked = PackedModel(model, cuda_varlen=True), PackedModel(copy.deepcopy(model))
+    masked._passes_kwargs = False  # the document mask alone
+    samples = _samples("token") if family == "bert" else _causal_samples(seed=2)
+    if family == "mistral_window":
+        assert max(len(s["input_ids"]) for s in samples) > model.config.sliding_window
+    _, batch = _packed(samples, device)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        out = packed(**batch)
+        assert _window_sizes(calls) == [VARLEN_FAMILIES[family]] * model.config.num_hidden_layers
+        want = masked(**batch)
+    assert len(calls) == model.config.num_hidden_layers  # the masked twin never calls it
+    out.loss.backward()
+    want.loss.backward()
+    reference = dict(masked.model.named_parameters())
+    if device == "cpu":
+        torch.testing.assert_close(out.logits, want.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+        _assert_same_grads(packed, masked.model, "cpu")
+        return
+    _close_in_norm(out.logits, want.logits, 2e-2)
+    _close_in_norm(out.loss, want.loss, 1e-2)
+    for name, param in packed.model.named_parameters():
+        _close_in_norm(param.grad, reference[name].grad, 5e-2)
+
+
+def test_cuda_varlen_keeps_the_mask_where_the_kernel_cannot_follow(monkeypatch):
+    """Attention dropout while training (GPT-2's attn_pdrop): the kernel has none, so the mask stays; in eval the
+    kernel computes. A batch without seq_lens keeps the mask too (no static offsets to give)."""
+    calls = varlen_kernel(monkeypatch)
+    packed = PackedModel(_cuda_varlen_model("gpt2", attn_pdrop=0.1), cuda_varlen=True)
+    _, batch = _packed(_causal_samples(), "cpu")
+    packed(**batch)
+    assert calls == []
+    packed.eval()
+    with torch.no_grad():
+        packed(**batch)
+        assert len(calls) == 2
+        packed(**{k: v for k, v in batch.items() if k != "seq_lens"})
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="seq_lens must be \\[B=3, S\\]"):
+        packed(**dict(batch, seq_lens=batch["seq_lens"][:1]))
+
+
+def test_cuda_varlen_compiles_into_one_graph(monkeypatch):
+    """A compiled packed Llama with the kernel route traces without graph breaks (the offsets are computed on the
+    device; the kernel is an opaque op, here a custom op over the reference) and matches eager."""
+    import torch._dynamo
+
+    import accel.runtime.nn.varlen_attention as va
+
+    varlen_kernel(monkeypatch)
+
+    @torch.library.custom_op("accel_test::reference_varlen_attn", mutates_args=())
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_q: int, max_k: int,
+               scale: float, left: int, right: int) -> torch.Tensor:
+        return va.reference_varlen_attn(q, k, v, cu, cu, max_q, max_k, scale=scale, window_size=(left, right),
+                                        enable_gqa=True)
+
+    kernel.register_fake(lambda q, k, v, cu, max_q, max_k, scale, left, right: torch.empty_like(q))
+    monkeypatch.setattr(va, "torch_varlen", lambda q, k, v, cu, cu_k, max_q, max_k, scale, window_size, **_:
+                        kernel(q, k, v, cu, max_q, max_k, scale, *window_size))
+    packed = PackedModel(_cuda_varlen_model("llama"), cuda_varlen=True).eval()
+    _, batch = _packed(_causal_samples(), "cpu")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(packed)(**batch)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        out = torch.compile(packed, dynamic=False, fullgraph=True)(**batch)
+        torch.testing.assert_close(out.logits, packed(**batch).logits, rtol=1e-4, atol=1e-5)

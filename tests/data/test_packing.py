@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from accel.data import PackedCollator, PackedDataset, block_diagonal_mask, pack_lengths
-from accel.data.packing import cu_seqlens_from_seq_lens
+from accel.data.packing import cu_seqlens_from_seq_lens, static_cu_seqlens
 
 
 def _samples(lengths, seed=0, vocab=50):
@@ -129,6 +129,22 @@ class TestMasks:
         cu, max_len = cu_seqlens_from_seq_lens(torch.tensor([[3, 2, 0], [4, 0, 0]]), 6)
         # row 0: 3, 2, tail 1; row 1: 4, tail 2 -> offsets 0,3,5,6,10,12
         assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 5, 6, 10, 12] and max_len == 4
+
+    def test_static_cu_seqlens_has_the_same_offsets_in_a_fixed_shape(self):
+        """The on-device offsets: S + 1 per row whatever the row holds (empty samples repeat an offset), the
+        boundaries cu_seqlens_from_seq_lens gives; no host read, so compiled graphs keep them."""
+        ds = PackedDataset(_samples([5, 3, 7, 2, 8, 1]), 8)
+        seq_lens = torch.stack([ds[r]["seq_lens"] for r in range(len(ds))])
+        cu = static_cu_seqlens(seq_lens, 8)
+        assert cu.dtype == torch.int32 and cu.shape == (len(ds) * (ds.max_segments + 1) + 1,)
+        assert torch.equal(torch.unique_consecutive(cu), cu_seqlens_from_seq_lens(seq_lens, 8)[0])
+        # by hand: row 0 holds 3 and 2 (tail 1), row 1 a full row of 6, row 2 nothing
+        cu = static_cu_seqlens(torch.tensor([[3, 2], [6, 0], [0, 0]]), 6)
+        assert cu.tolist() == [0, 3, 5, 6, 12, 12, 12, 12, 12, 18]
+        traced = torch.compile(static_cu_seqlens, fullgraph=True, dynamic=False)
+        assert torch.equal(traced(torch.tensor([[3, 2], [6, 0], [0, 0]]), 6), cu)
+        with pytest.raises(ValueError, match="seq_lens must be \\[B, S\\]"):
+            static_cu_seqlens(torch.tensor([3, 2]), 6)
 
     def test_collator_outputs_model_inputs(self):
         ds = PackedDataset(_samples([5, 3, 7, 2]), 8)

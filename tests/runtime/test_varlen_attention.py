@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from accel.runtime.nn import varlen_attention as va
 from accel.runtime.nn.varlen_attention import segment_runs, varlen_attention
+from tests._varlen_kernel import NO_CUDA_VARLEN, varlen_kernel
 
 # two rows: three samples and the row's padding (segment 0), and two samples
 SEGMENTS = torch.tensor([[1] * 10 + [2] * 17 + [3] * 9 + [0] * 4, [1] * 25 + [2] * 15])
@@ -128,3 +129,122 @@ def test_bad_input_names_the_argument():
         varlen_attention(q, k, v, SEGMENTS.float())
     with pytest.raises(ValueError, match="query: expected 4 dims"):
         varlen_attention(q[0], k, v, SEGMENTS)
+
+
+# -- CUDA's route: torch's FlashAttention varlen kernel over static offsets (flash_varlen_attention) --------------
+# SEGMENTS as each row's sample lengths: [10, 17, 9] then 4 tokens of padding; [25, 15]
+SEQ_LENS = torch.tensor([[10, 17, 9], [25, 15, 0]], dtype=torch.int32)
+WINDOW = pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, 6), (True, 40)],
+                                 ids=["bidirectional", "causal", "window6", "window_as_long_as_the_row"])
+
+
+def _windowed_reference(q, k, v, causal, window, scale=None):
+    """The document mask's attention (the module's reference above), the window cut into it as
+    accel.compiler.packed.document_mask cuts it: a key W or more tokens behind the query is out."""
+    if window is None:
+        return _reference(q, k, v, causal, scale)
+    mask = SEGMENTS[:, None, :, None] == SEGMENTS[:, None, None, :]
+    ones = torch.ones(mask.shape[-1], mask.shape[-1], dtype=torch.bool)
+    mask = mask & ones.tril() & ones.triu(1 - window)
+    groups = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                          attn_mask=mask, scale=scale)
+
+
+def _flat(t):
+    return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])  # [B, H, L, D] -> [B * L, H, D]
+
+
+@WINDOW
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_reference_varlen_attn_is_the_document_mask(causal, window, kv_heads):
+    """The plain reference of torch's varlen kernel, given static_cu_seqlens and the window translated to
+    FlashAttention's (left, right), computes the document mask's attention (fp64)."""
+    from accel.data.packing import static_cu_seqlens
+
+    q, k, v, _ = _inputs(torch.float64, kv_heads=kv_heads)
+    cu = static_cu_seqlens(SEQ_LENS, 40)
+    out = va.reference_varlen_attn(_flat(q), _flat(k), _flat(v), cu, cu, 40, 40, scale=0.3,
+                                   window_size=va._window_size(causal, window, 40), enable_gqa=True)
+    want = _windowed_reference(q, k, v, causal, window, scale=0.3)
+    torch.testing.assert_close(out, _flat(want), rtol=1e-10, atol=1e-12)
+
+
+@pytest.fixture
+def reference_kernel(monkeypatch):
+    """flash_varlen_attention on the CPU, torch's kernel replaced by reference_varlen_attn (tests/_varlen_kernel.py)."""
+    return varlen_kernel(monkeypatch)
+
+
+@WINDOW
+@pytest.mark.parametrize("kv_heads, takes_gqa", [(4, False), (2, True), (2, False)],
+                         ids=["mha", "gqa_by_name", "gqa_repeated"])
+def test_flash_varlen_attention_gives_the_kernel_the_packed_rows(monkeypatch, reference_kernel, causal, window,
+                                                                 kv_heads, takes_gqa):
+    from accel.data.packing import static_cu_seqlens
+
+    monkeypatch.setattr(va, "_VARLEN_TAKES_GQA", takes_gqa)
+    q, k, v, g = _inputs(torch.float64, kv_heads=kv_heads)
+    cu = static_cu_seqlens(SEQ_LENS, 40)
+    out = va.flash_varlen_attention(q, k, v, cu, is_causal=causal, scale=0.3, window=window)
+    assert out.shape == q.shape and out.transpose(1, 2).is_contiguous()  # what transformers' functions return
+    want = _windowed_reference(q, k, v, causal, window, scale=0.3)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    for got, exp in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+        torch.testing.assert_close(got, exp, rtol=1e-10, atol=1e-12)
+    [(args, kwargs)] = reference_kernel
+    assert args[3] is args[4] is cu and args[5:] == (40, 40)
+    left = 5 if window == 6 else -1
+    assert kwargs["window_size"] == ((left, 0) if causal else (-1, -1))
+    assert kwargs.get("enable_gqa", False) == (kv_heads != 4 and takes_gqa)
+
+
+def test_flash_varlen_attention_takes_autocasts_dtype(reference_kernel):
+    """Under autocast the kernel gets the autocast dtype, as SDPA would (rotary embeddings leave fp32 queries
+    next to 16-bit keys); its output stays in it."""
+    from accel.data.packing import static_cu_seqlens
+
+    q, k, v, _ = _inputs(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = va.flash_varlen_attention(q, k.bfloat16(), v, static_cu_seqlens(SEQ_LENS, 40), is_causal=True)
+    assert out.dtype == torch.bfloat16
+    want = _reference(*(t.bfloat16().double() for t in (q, k, v)), causal=True)
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_flash_varlen_fits_only_what_the_kernel_takes(monkeypatch):
+    q, k, _, _ = _inputs(torch.bfloat16)
+    assert not va.flash_varlen_fits(q, k)  # the CPU: no FlashAttention varlen kernel
+    monkeypatch.setattr(va, "flash_varlen_runs_on", lambda device: True)
+    assert va.flash_varlen_fits(q, k)
+    assert not va.flash_varlen_fits(q.float(), k.float())  # fp32: the kernel is 16-bit only
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert va.flash_varlen_fits(q.float(), k.float())  # autocast casts it for the kernel
+    for dim in (12, 264):  # head sizes FlashAttention does not compile
+        assert not va.flash_varlen_fits(q.new_zeros(2, 4, 40, dim), k.new_zeros(2, 4, 40, dim))
+    assert not va.flash_varlen_fits(q[:, :, :1], k)  # one query against the row: not self-attention
+    assert not va.flash_varlen_fits(q[:, :3], k)  # 3 query heads over 4 key heads
+    with pytest.raises(ValueError, match="query, key: flash_varlen_attention needs CUDA"):
+        va.flash_varlen_attention(q.float(), k.float(), k.float(), torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="window: a sliding window needs is_causal=True"):
+        va.flash_varlen_attention(q, k, k, torch.zeros(3, dtype=torch.int32), window=4)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and va.flash_varlen_runs_on(torch.device("cuda"))),
+                    reason=NO_CUDA_VARLEN)
+@WINDOW
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_flash_varlen_attention_on_cuda_is_the_document_mask(causal, window, kv_heads):
+    """torch's own kernel, bf16, against the document mask's attention in fp64 (each compared with the exact
+    result), outputs and gradients."""
+    from accel.data.packing import static_cu_seqlens
+
+    q, k, v, g = (t.detach().cuda().requires_grad_(t.requires_grad) for t in _inputs(torch.bfloat16, kv_heads=kv_heads))
+    out = va.flash_varlen_attention(q, k, v, static_cu_seqlens(SEQ_LENS.cuda(), 40), is_causal=causal,
+                                    window=window)
+    exact = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    want = _windowed_reference(*exact, causal, window)
+    torch.testing.assert_close(out.double().cpu(), want, rtol=2e-2, atol=2e-2)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    for got, exp in zip(grads, torch.autograd.grad(want, exact, g.double().cpu())):
+        torch.testing.assert_close(got.double().cpu(), exp, rtol=3e-2, atol=3e-2)

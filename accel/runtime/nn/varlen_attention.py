@@ -6,7 +6,8 @@ A packed row of L tokens holds several samples, each attending only to itself (a
 kernel has no variable-length form, so `varlen_attention` calls it once per sample (each run of equal segment ids),
 without a mask, causal where asked: the work of each sample alone. Forward and backward are torch.library ops
 (`accel::varlen_attention_fwd` / `_bwd`, fake kernels, autograd formula), opaque to a compiled graph, whose
-lengths they read on the host. CPU only: on CUDA the document mask (or FlexAttention's block mask) stays.
+lengths they read on the host. On CUDA `flash_varlen_attention` (below) gives packed rows torch's FlashAttention
+varlen kernel instead, where accelerate()'s compute.cuda_varlen_attention asks for it.
 
 `plain=True` computes the backward of each sample shorter than PLAIN_BACKWARD_BELOW in plain products instead
 (the probabilities recomputed from the forward's logsumexp, as the flash kernel's backward does, from fp32
@@ -17,6 +18,8 @@ at 512), while its forward is the faster one (plain 1.2-2.9x slower causal, 0.75
 accelerate() asks for it where compute.cpu_attention does (accel.compiler.unpadded_attention).
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -170,4 +173,125 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         value = value.repeat_interleave(heads // value.shape[1], dim=1)
     scale = float(query.shape[-1] ** -0.5 if scale is None else scale)
     out, _ = torch.ops.accel.varlen_attention_fwd(query, key, value, segment_ids, bool(is_causal), scale, bool(plain))
+    return out
+
+
+# -- CUDA: torch's FlashAttention varlen kernel ---------------------------------------------------------------------
+# On CUDA a packed row's samples take torch.nn.attention.varlen.varlen_attn (FlashAttention-2's variable-length
+# kernel, torch 2.10 and later) over the batch flattened to [B * L] tokens, with cu_seqlens built on the device from
+# the rows' seq_lens (accel.data.packing.static_cu_seqlens): each sample's work alone, where SDPA with the [B, 1, L, L]
+# document mask computes and masks every pair of the row. Its dropout is 0: attention with dropout keeps the mask.
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_MAX_HEAD_DIM = 256
+
+
+try:  # torch 2.10 and later
+    from torch.nn.attention.varlen import varlen_attn as torch_varlen
+except ImportError:
+    torch_varlen = None
+# torch 2.13 asks for grouped-query attention by name (enable_gqa); earlier ones take as many key as query heads
+_VARLEN_TAKES_GQA = torch_varlen is not None and "enable_gqa" in inspect.signature(torch_varlen).parameters
+
+
+@torch.compiler.assume_constant_result
+def _capability_at_least_80(index: int) -> bool:
+    """Read once while Dynamo traces (a constant of the graph), not at every call."""
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def flash_varlen_runs_on(device: torch.device) -> bool:
+    """Whether torch's varlen kernel runs on `device`: CUDA with compute capability 8.0 or later (FlashAttention-2's
+    requirement), with a torch that has the kernel."""
+    if device.type != "cuda" or torch_varlen is None:
+        return False
+    return _capability_at_least_80(0 if device.index is None else device.index)
+
+
+def flash_varlen_fits(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether flash_varlen_attention takes these [B, H, L, D] queries and keys: a device it runs on, 16-bit (or
+    autocast to 16 bits there), a head size FlashAttention compiles (a multiple of 8 up to 256), key heads
+    dividing the query heads, self-attention over one length."""
+    device = query.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else query.dtype
+    head_dim = query.shape[-1]
+    return (dtype in _FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= _FLASH_MAX_HEAD_DIM
+            and query.shape[2] == key.shape[2] and query.shape[1] % key.shape[1] == 0 and flash_varlen_runs_on(device))
+
+
+def _window_size(is_causal: bool, window: int | None, length: int) -> tuple[int, int]:
+    """FlashAttention's (left, right) for a transformers window W: a query sees the keys fewer than W tokens behind
+    it (itself included), left = W - 1; a window as long as the row cuts nothing."""
+    left = window - 1 if window is not None and window < length else -1
+    return (left, 0) if is_causal else (left, -1)
+
+
+def flash_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                           is_causal: bool = False, scale: float | None = None,
+                           window: int | None = None) -> torch.Tensor:
+    """Each sample's own attention over packed rows, by torch's FlashAttention varlen kernel (CUDA).
+
+    Args:
+        query, key, value: [B, H, L, D] (key and value may have fewer heads dividing H: grouped-query attention).
+        cu_seqlens: int32 [N + 1] offsets of the samples in the batch flattened to [B * L] tokens, from 0 to B * L
+            (accel.data.packing.static_cu_seqlens; empty samples allowed).
+        is_causal: each token attends to the earlier tokens of its sample and itself only.
+        scale: the scores' scale (default 1 / sqrt(D)).
+        window: with is_causal, each token attends to the last `window` tokens of its sample, itself included
+            (transformers' sliding_window).
+
+    Returns:
+        [B, H, L, D] in the 16-bit dtype (autocast's where on), a transposed view of a [B, L, H, D] tensor (what
+        transformers' attention functions return after .transpose(1, 2)).
+
+    Raises:
+        ValueError: window without is_causal, or inputs flash_varlen_fits refuses.
+    """
+    if window is not None and not is_causal:
+        raise ValueError("window: a sliding window needs is_causal=True")
+    if not flash_varlen_fits(query, key):
+        raise ValueError("query, key: flash_varlen_attention needs CUDA (compute capability 8.0+, torch 2.10+), "
+                         f"fp16/bf16, head size a multiple of 8 up to 256; got {tuple(query.shape)} {query.dtype} "
+                         f"on {query.device}, key {tuple(key.shape)}")
+    batch, heads, length, head_dim = query.shape
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    flat_q, flat_k, flat_v = (t.to(dtype).transpose(1, 2).reshape(batch * length, t.shape[1], head_dim)
+                              for t in (query, key, value))
+    extra = {}
+    if key.shape[1] != heads:  # grouped-query attention: torch 2.13 asks for it by name, earlier ones repeat
+        if _VARLEN_TAKES_GQA:
+            extra["enable_gqa"] = True
+        else:
+            flat_k, flat_v = (t.repeat_interleave(heads // key.shape[1], dim=1) for t in (flat_k, flat_v))
+    out = torch_varlen(flat_q, flat_k, flat_v, cu_seqlens, cu_seqlens, length, length, scale=scale,
+                         window_size=_window_size(is_causal, window, length), **extra)
+    return out.view(batch, length, heads, head_dim).transpose(1, 2)
+
+
+def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                          enable_gqa=False):
+    """torch's varlen_attn in plain PyTorch (FlashAttention's semantics, for tests on any device): [T, H, D]
+    tokens, each sample cu_seq[i]:cu_seq[i + 1] attending to itself; window_size (left, right): query i sees key j
+    where i - left <= j <= i + right, -1 unbounded ((-1, 0) is causal)."""
+    heads = query.shape[1]
+    if key.shape[1] != heads:
+        if not enable_gqa:
+            raise ValueError("reference_varlen_attn: fewer key heads need enable_gqa=True")
+        key, value = (t.repeat_interleave(heads // key.shape[1], dim=1) for t in (key, value))
+    out = torch.zeros_like(query)
+    left, right = window_size
+    for start, end in zip(cu_seq_q.tolist(), cu_seq_q.tolist()[1:]):
+        if end == start:
+            continue
+        acc = torch.promote_types(query.dtype, torch.float32)  # fp32 at least, as the kernel accumulates
+        q, k, v = (t[start:end].transpose(0, 1).to(acc) for t in (query, key, value))  # [H, n, D]
+        i = torch.arange(end - start, device=query.device)
+        offset = i.view(-1, 1) - i.view(1, -1)  # query - key
+        allowed = torch.ones_like(offset, dtype=torch.bool)
+        if left >= 0:
+            allowed &= offset <= left
+        if right >= 0:
+            allowed &= -offset <= right
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+        out[start:end] = o.transpose(0, 1).to(out.dtype)
     return out
