@@ -15,14 +15,23 @@ size. In the model the alternative is SDPA with the mask (ACCEL_SDPA), which our
 Ours computes each sample the way accelerate()'s compute.cpu_attention="auto" picks on this machine (plain
 products where the probe finds them faster than SDPA's flash kernel, else the flash kernel); the other way is a
 row of its own among the peers, the A/B of that choice.
-CPU only: on CUDA packed rows keep the mask or FlexAttention's block mask."""
+On CUDA (compute.cuda_varlen_attention) ours is torch's FlashAttention varlen kernel over static offsets
+(flash_varlen_attention, torch 2.10+), against SDPA with the document mask (eager and compiled) and FlexAttention
+with the document's BlockMask (compiled), on the same rows (bf16; the causal LM rows with Llama's 32 heads of 128
+over 8 key/value heads): the A/B that decides whether accelerate() switches packed rows to it by default."""
 import math
 
 import torch
 import torch.nn.functional as F
 
 from accel.compiler.unpadded_attention import MIN_PLAIN_SPEEDUP, plain_attention_speedup
-from accel.runtime.nn.varlen_attention import varlen_attention
+from accel.data.packing import static_cu_seqlens
+from accel.runtime.nn.varlen_attention import (
+    flash_varlen_attention,
+    flash_varlen_runs_on,
+    segment_runs,
+    varlen_attention,
+)
 
 from . import Case
 
@@ -93,7 +102,72 @@ def _case(name: str, rows: int, heads: int, length: int, dim: int, draw, causal:
                 memory_bound=False)
 
 
+def _seq_lens(segments: torch.Tensor) -> torch.Tensor:
+    """[B, S] sample lengths (0-padded) of rows whose segments start at 1 and run to the end (no padding tail)."""
+    lengths = [[end - start for start, end in runs] for runs in segment_runs(segments)]
+    width = max(len(row) for row in lengths)
+    return torch.tensor([row + [0] * (width - len(row)) for row in lengths], dtype=torch.int32)
+
+
+def _cuda_case(name: str, rows: int, heads: int, kv_heads: int, length: int, dim: int, draw, causal: bool,
+               device: str = "cuda") -> Case:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    segments = _segments(rows, length, draw).to(device)
+    cu = static_cu_seqlens(_seq_lens(segments.cpu()).to(device), length)
+    mask = segments[:, None, :, None] == segments[:, None, None, :]
+    if causal:
+        mask = mask & torch.ones(length, length, dtype=torch.bool, device=device).tril()
+
+    def document(b, h, q_idx, kv_idx):
+        same = segments[b, q_idx] == segments[b, kv_idx]
+        return same & (q_idx >= kv_idx) if causal else same
+
+    block_mask = create_block_mask(document, rows, None, length, length, device=device)
+    g = torch.Generator(device=device).manual_seed(1)
+
+    def randn(h):
+        return torch.randn(rows, h, length, dim, generator=g, device=device).bfloat16().requires_grad_()
+
+    q, k, v = randn(heads), randn(kv_heads), randn(kv_heads)
+    grad = torch.randn(rows, heads, length, dim, generator=g, device=device).bfloat16()
+    gqa = dict(enable_gqa=True) if kv_heads != heads else {}
+
+    def masked(q, k, v):  # with a mask transformers repeats the key/value heads for SDPA (its repeat_kv)
+        groups = heads // kv_heads
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                              attn_mask=mask)
+
+    def flex(q, k, v):
+        return flex_attention(q, k, v, block_mask=block_mask, **gqa)
+
+    def ours(q, k, v):
+        return flash_varlen_attention(q, k, v, cu, is_causal=causal)
+
+    def step(fn):
+        return torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
+
+    compiled, compiled_flex = torch.compile(masked, dynamic=False), torch.compile(flex, dynamic=False)
+    nbytes = 2 * rows * (2 * heads + 2 * kv_heads) * length * dim * 2  # q, out, k, v and their gradients, bf16
+    samples = int(segments.max(1).values.sum())
+    return Case(f"varlen_attention bf16 {name} fwd+bwd (FlashAttention varlen)",
+                f"{rows}x{heads}/{kv_heads}x{length}x{dim}, {samples} samples", nbytes, lambda: step(ours),
+                {"SDPA + document mask": lambda: step(masked),
+                 "compiled SDPA + document mask": lambda: step(compiled),
+                 "compiled FlexAttention + document BlockMask": lambda: step(compiled_flex)},
+                memory_bound=False)
+
+
 def cases(device: str, quick: bool):
+    if device == "cuda":
+        if not flash_varlen_runs_on(torch.device("cuda")):
+            return  # torch before 2.10, or a GPU before compute capability 8.0
+        sizes = ((1, 4, 2, 256, 64),) if quick else ((8, 32, 8, 1024, 128), (4, 32, 8, 4096, 128))
+        for rows, heads, kv_heads, length, dim in sizes:
+            yield _cuda_case("causal", rows, heads, kv_heads, length, dim, _causal_lm_length, True)
+        rows, length = (1, 128) if quick else (32, 512)
+        yield _cuda_case("bidirectional", rows, 12, 12, length, 64, _sst2_length, False)
+        return
     if device != "cpu":
         return
     if quick:
