@@ -357,10 +357,10 @@ class PackedModel(nn.Module):
                 raise ValueError(f"seq_lens must be [B={input_ids.shape[0]}, S], got {tuple(seq_lens.shape)}")
             kwargs[SEGMENT_IDS], kwargs[SEGMENTS_CAUSAL] = segment_ids, decoder
             kwargs[CU_SEQLENS] = static_cu_seqlens(seq_lens, input_ids.shape[1])
-        elif (backend == ACCEL_SDPA and input_ids.device.type == "cpu" and not isinstance(mask, dict)
-                and self._passes_kwargs):
+        elif backend == ACCEL_SDPA and input_ids.device.type == "cpu" and self._passes_kwargs:
             # and on the CPU by accel.runtime.nn.varlen_attention: the work of the samples, not of the whole row
-            # masked
+            # masked. A layer whose sliding window cuts inside the row keeps its mask (Gemma's local layers: each
+            # names its window, as every transformers model with local layers does)
             kwargs[SEGMENT_IDS], kwargs[SEGMENTS_CAUSAL] = segment_ids, decoder
         if token_type_ids is not None:  # not every model takes them (Llama does not)
             kwargs["token_type_ids"] = token_type_ids

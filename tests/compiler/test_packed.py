@@ -602,20 +602,32 @@ def test_packed_decoder_classifier_gradients_match_each_sample_alone(family, dev
 # Sliding-window attention: a token sees only the last W tokens of its sample. Mistral's layers all slide; Gemma's
 # alternate local (sliding) and global layers, and take a mask per kind of layer. Samples longer than W = 4 and
 # rows of 16 make the window matter (without it the logits were 0.13 (Mistral) and 0.45 (Gemma 2) off).
-SLIDING = [("mistral", "sdpa"), ("mistral", "eager"), ("gemma2", "eager")]  # Gemma 2 has no SDPA in transformers
+# Gemma 2 has no SDPA in transformers; Gemma 3's first layer is local, its second global. With "accel_sdpa" on the
+# CPU the global layer computes each sample alone (varlen_attention) and the local one keeps its windowed mask.
+SLIDING = [("mistral", "sdpa"), ("mistral", "eager"), ("gemma2", "eager"), ("gemma3", "sdpa"), ("gemma3", ACCEL_SDPA)]
 
 
 def _sliding_decoder(family, attn_implementation):
+    switch = attn_implementation == ACCEL_SDPA
     settings = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32, sliding_window=4,
-                    attn_implementation=attn_implementation)
+                    attn_implementation="sdpa" if switch else attn_implementation)
     if family == "mistral":
-        return transformers.MistralForCausalLM(transformers.MistralConfig(**settings))
-    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**settings, head_dim=8))
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**settings))
+    elif family == "gemma2":
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**settings, head_dim=8))
+    else:
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**settings, head_dim=8,
+                                                                            sliding_window_pattern=2))
+        assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    assert not switch or unpadded_attention(model)
+    return model
 
 
 @pytest.mark.parametrize("family, backend", SLIDING)
-def test_packed_sliding_window_decoders_match_each_sample_alone(family, backend):
+def test_packed_sliding_window_decoders_match_each_sample_alone(monkeypatch, family, backend):
+    import accel.runtime.nn.varlen_attention as va
+
     torch.manual_seed(0)
     model = _sliding_decoder(family, backend).train()
     reference = _sliding_decoder(family, "eager").train()
@@ -624,7 +636,12 @@ def test_packed_sliding_window_decoders_match_each_sample_alone(family, backend)
     samples = _causal_samples(seed=2)
     assert max(len(s["input_ids"]) for s in samples) > model.config.sliding_window
     ds, batch = _packed(samples, "cpu")
+    alone, flash = [], va._flash
+    monkeypatch.setattr(va, "_flash", lambda q, *args, **kw: (alone.append(q.shape[2]), flash(q, *args, **kw))[1])
     out = packed(**batch)
+    # the global layer's samples (and each row's padding) one at a time: only under "accel_sdpa"
+    runs = sum(len(row) for row in va.segment_runs(batch["segment_ids"]))
+    assert len(alone) == (runs if backend == ACCEL_SDPA else 0)
     out["loss"].backward()
     weights = _causal_loss_weights(samples)
     expected_loss = 0.0
@@ -757,7 +774,9 @@ def test_packed_distilbert_classifier_matches_each_sample_alone(backend):
 # kernel, given static cu_seqlens. On the CPU the kernel is replaced by its plain reference
 # (accel.runtime.nn.varlen_attention.reference_varlen_attn) and fp32 let through: what PackedModel and the attention
 # function hand the kernel (offsets, causality, windows, grouped heads) is checked exactly; on a GPU, torch's own.
-VARLEN_FAMILIES = {"llama": (-1, 0), "mistral_window": (3, 0), "gpt2": (-1, 0), "bert": (-1, -1)}
+# each layer's FlashAttention window (left, right): causal (-1, 0), a window of 4 (3, 0), bidirectional (-1, -1)
+VARLEN_FAMILIES = {"llama": [(-1, 0)] * 2, "mistral_window": [(3, 0)] * 2, "gemma3": [(3, 0), (-1, 0)],
+                   "gpt2": [(-1, 0)] * 2, "bert": [(-1, -1)] * 2}
 
 
 def _window_sizes(calls):
@@ -766,8 +785,10 @@ def _window_sizes(calls):
 
 def _cuda_varlen_model(family, attn_pdrop=0.0):
     """An "accel_sdpa" model: a Llama (grouped key/value heads), a Mistral whose window of 4 cuts inside rows of 16,
-    a GPT-2, a BERT masked LM."""
+    a Gemma 3 with a local and a global layer, a GPT-2, a BERT masked LM."""
     torch.manual_seed(0)
+    if family == "gemma3":
+        return _sliding_decoder("gemma3", ACCEL_SDPA).train()
     if family == "mistral_window":
         model = _sliding_decoder("mistral", "sdpa")
     elif family == "gpt2" and attn_pdrop:
@@ -795,12 +816,12 @@ def test_cuda_varlen_computes_each_packed_sample_alone(monkeypatch, family, devi
     packed, masked = PackedModel(model, cuda_varlen=True), PackedModel(copy.deepcopy(model))
     masked._passes_kwargs = False  # the document mask alone
     samples = _samples("token") if family == "bert" else _causal_samples(seed=2)
-    if family == "mistral_window":
+    if family in ("mistral_window", "gemma3"):
         assert max(len(s["input_ids"]) for s in samples) > model.config.sliding_window
     _, batch = _packed(samples, device)
     with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
         out = packed(**batch)
-        assert _window_sizes(calls) == [VARLEN_FAMILIES[family]] * model.config.num_hidden_layers
+        assert _window_sizes(calls) == VARLEN_FAMILIES[family]
         want = masked(**batch)
     assert len(calls) == model.config.num_hidden_layers  # the masked twin never calls it
     out.loss.backward()
