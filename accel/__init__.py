@@ -11,7 +11,8 @@ from accel.compiler.step_graph import graph_step
 from accel.config import Config
 from accel.distributed import accumulate
 from accel.evaluation import gather_for_metrics
+from accel.export import save_model, unwrap_model
 from accel.state import load_state, save_state, wait_for_save
 
 __all__ = ["Config", "accelerate", "accumulate", "auto_checkpoint", "gather_for_metrics", "graph_step", "load_state",
-           "save_state", "wait_for_save"]
+           "save_model", "save_state", "unwrap_model", "wait_for_save"]

@@ -57,6 +57,7 @@ from torch import nn
 
 from accel.data.resumable import CountedLoader, ResumableLoader, _keeps_own_state
 from accel.utils.atomic_file import atomic_write
+from accel.utils.modules import is_sharded, unwrap_model
 from accel.utils.rng import host_rng_state, set_host_rng_state
 
 __all__ = ["load_state", "save_state", "wait_for_save"]
@@ -123,38 +124,6 @@ def _find_loader(dataloader):
                         "state_dict()/load_state_dict(), e.g. torchdata's StatefulDataLoader)")
     raise TypeError(f"dataloader: {type(dataloader).__name__} neither is nor wraps an accel.data.ResumableLoader or "
                     "a loader with state_dict()/load_state_dict(), so its position cannot be saved")
-
-
-# ---------------------------------------------------------------- models
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The user's own module inside DDP, torch.compile and accel's wrappers: its state_dict keys are the
-    ones an un-accelerated model has."""
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
-    packed = sys.modules.get("accel.compiler.packed")  # not imported: no PackedModel can exist
-    while True:
-        if isinstance(model, (DistributedDataParallel, DataParallel)):
-            model = model.module
-        elif isinstance(model._modules.get("_orig_mod"), nn.Module):  # torch.compile's OptimizedModule
-            model = model._modules["_orig_mod"]
-        elif packed is not None and isinstance(model, packed.PackedModel):
-            model = model.model
-        else:
-            return model
-
-
-def _is_sharded(model: nn.Module) -> bool:
-    """FSDP2 (fully_shard), FSDP1, or DTensor parameters. Their modules are looked up only if imported: a
-    model cannot hold instances of classes nobody imported, and importing them costs a plain run time."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is not None:
-        classes = tuple(c for c in (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None))
-                        if c is not None)
-        if classes and any(isinstance(m, classes) for m in model.modules()):
-            return True
-    tensor = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(tensor, "DTensor", None)
-    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 
 # ---------------------------------------------------------------- values
@@ -261,7 +230,8 @@ def _gather(obj, rank: int, world: int) -> Optional[list]:
     return out
 
 
-def _on_rank0(work: Callable[[], Any], path: str, rank: int, world: int, share: bool = False):
+def _on_rank0(work: Callable[[], Any], path: str, rank: int, world: int, share: bool = False,
+              caller: str = "save_state"):
     """Run `work` on rank 0; every rank raises if it failed (rank 0 its own error), so no rank waits forever
     for a rank that gave up. With `share`, every rank gets its (picklable) result, else only rank 0."""
     result, error = None, None
@@ -277,7 +247,7 @@ def _on_rank0(work: Callable[[], Any], path: str, rank: int, world: int, share: 
         if share:
             result = shared
         if error is None and message is not None:
-            raise RuntimeError(f"save_state: rank 0 failed to write {path!r}: {message}")
+            raise RuntimeError(f"{caller}: rank 0 failed to write {path!r}: {message}")
     if error is not None:
         raise error
     return result
@@ -412,8 +382,8 @@ def save_state(path, model, optimizer=None, scaler=None, scheduler=None, dataloa
     loader = _find_loader(dataloader)
     _wait(barrier=True)
 
-    module = _unwrap(model)
-    sharded = _is_sharded(module)
+    module = unwrap_model(model)
+    sharded = is_sharded(module)
     if sharded and os.path.isfile(path):
         raise ValueError(f"path: {path!r} is a file, but a sharded model's checkpoint is a directory")
     if not sharded and os.path.isdir(path):
@@ -609,7 +579,7 @@ def load_state(path, model, optimizer=None, scaler=None, scheduler=None, dataloa
     _wait(barrier=True)
 
     rank, world = _rank_world()
-    module = _unwrap(model)
+    module = unwrap_model(model)
     folder = None
     if os.path.isdir(path):
         folder = _latest_version(path)
@@ -645,7 +615,7 @@ def load_state(path, model, optimizer=None, scaler=None, scheduler=None, dataloa
     if payload["sharded"]:
         _load_sharded(folder, module, optimizer, payload)
     else:
-        if _is_sharded(module):
+        if is_sharded(module):
             raise ValueError(f"model: a sharded model, but {path!r} is a single-file checkpoint of an unsharded "
                              "model; load it into the unsharded model, then shard it")
         module.load_state_dict(payload["model"])

@@ -5,7 +5,8 @@
 Each mode (ddp, fsdp: dist.fsdp.size=2) trains tests/distributed/_lm_worker.new_lm() through accel.accelerate()
 with memory.fused_lm_loss (the loss computed from lm_head's weight, not through lm_head's forward, which is
 where FSDP2 would gather it) and writes OUT_DIR/<MODE>.pt from rank 0: the full state dict, and whether
-every training call returned no logits.
+every training call returned no logits; and, through accel.save_model, OUT_DIR/<MODE>_model/ (save_pretrained's
+files).
 """
 import os
 import sys
@@ -53,6 +54,7 @@ def run(out_dir, mode):
         optimizer.step()
         optimizer.zero_grad()
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    accel.save_model(model, os.path.join(out_dir, f"{mode}_model"))  # save_pretrained's files, from rank 0
     if dist.get_rank() == 0:
         torch.save({"state": {k: v.cpu() for k, v in state.items()}, "no_logits": no_logits},
                    os.path.join(out_dir, f"{mode}.pt"))

@@ -4,7 +4,8 @@
 
 For each mode (one launch runs several: starting processes costs more than training), trains
 tests/distributed/_model.TinyNet through accel.accelerate() and writes OUT_DIR/<MODE>.pt from rank 0:
-the full (gathered) state dict, the communication counts and the sample ids every rank saw.
+the full (gathered) state dict, the communication counts and the sample ids every rank saw; and, through
+accel.save_model, OUT_DIR/<MODE>_model/model.safetensors.
 
 A mode is a name made of parts: ddp / fsdp (dist.fsdp.size=2) / hsdp (dist.dp.size=2 x dist.fsdp.size=2,
 four ranks), then any of: compiled, named (wrap_layer_cls), accumulate (MICRO micro-batches per step),
@@ -152,6 +153,7 @@ def run(out_dir, mode):
                                       "wrapper": type(inner).__name__, "layout": layout,
                                       "scales": scales, "local": local})
     state = full_state(model)
+    accel.save_model(model, os.path.join(out_dir, f"{mode}_model"))  # every rank calls it; rank 0 writes
     if dist.get_rank() == 0:
         torch.save({"state": state, "ranks": gathered}, os.path.join(out_dir, f"{mode}.pt"))
     dist.barrier()

@@ -31,7 +31,10 @@ def _launch(out, modes, world=WORLD, worker=WORKER):
                env_extra={"PJRT_DEVICE": "CPU"},
                drop_env=("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "CPU_NUM_DEVICES"),
                timeout=600)
-    return {mode: torch.load(out / f"{mode}.pt", weights_only=True) for mode in modes}
+    runs = {mode: torch.load(out / f"{mode}.pt", weights_only=True) for mode in modes}
+    for mode in modes:
+        runs[mode]["model_dir"] = out / f"{mode}_model"  # accel.save_model's
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +118,35 @@ def test_xla_data_parallel_averages_once_per_step(xla_runs, mode):
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=2e-5, atol=2e-6, msg=f"{mode}: {key}")
     assert all(r["reductions"] == STEPS and r["wrapper"] == "TinyNet" for r in xla_runs[mode]["ranks"])
+
+
+def _assert_saved_model_is_the_gathered_state(run, mode):
+    """accel.save_model wrote the user's module's weights, whole (FSDP's shards gathered), as model.safetensors."""
+    from safetensors.torch import load_file
+
+    assert sorted(os.listdir(run["model_dir"])) == ["model.safetensors"]
+    saved = load_file(run["model_dir"] / "model.safetensors")
+    assert set(saved) == set(run["state"]), mode  # safetensors lists keys sorted
+    for key, value in run["state"].items():
+        assert torch.equal(saved[key], value), f"{mode}: {key}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_save_model_writes_the_gathered_weights(runs, mode):
+    _assert_saved_model_is_the_gathered_state(runs[mode], mode)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", HSDP_MODES)
+def test_save_model_writes_the_gathered_weights_hsdp(hsdp_runs, mode):
+    _assert_saved_model_is_the_gathered_state(hsdp_runs[mode], mode)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", XLA_MODES)
+def test_save_model_writes_the_xla_weights(xla_runs, mode):
+    _assert_saved_model_is_the_gathered_state(xla_runs[mode], mode)
 
 
 @pytest.mark.slow

@@ -36,3 +36,21 @@ def _reference() -> dict:
 def test_same_weights_as_one_process_without_logits(runs, mode):
     assert runs[mode]["no_logits"]
     assert_same_state(runs[mode]["state"], _reference(), mode)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_save_model_gives_from_pretrained_the_trained_weights(runs, mode):
+    """accel.save_model of the DDP / FSDP2 model (every rank calls it, rank 0 writes save_pretrained's files):
+    from_pretrained loads the gathered trained weights, under the model's own class name (not FSDP's)."""
+    import json
+
+    import transformers
+
+    folder = runs[mode]["model_dir"]
+    with open(folder / "config.json") as f:
+        assert json.load(f)["architectures"] == ["LlamaForCausalLM"]
+    loaded = transformers.LlamaForCausalLM.from_pretrained(folder).state_dict()
+    assert set(loaded) == set(runs[mode]["state"])
+    for key, value in runs[mode]["state"].items():
+        assert torch.equal(loaded[key], value), f"{mode}: {key}"
