@@ -12,7 +12,7 @@ process runs them all: starting torch_xla costs more than training):
 - hsdp / hsdp_strided: dist.dp.size=2 x dist.fsdp.size=2, topology ['dp', 'fsdp'] / ['fsdp', 'dp'];
 - own_forward: a model with an instance `forward` (what accelerate()'s autocast sets) still wraps and runs;
 - gc: with memory.gc (accel's activation checkpointing of the blocks FSDPv2 then wraps).
-Then: state_dict / load_state_dict / accel.save_state round trips, and the config errors.
+Then: state_dict / load_state_dict / accel.save_state round trips, accel.save_model, and the config errors.
 """
 import os
 import sys
@@ -120,6 +120,12 @@ def round_trips(model) -> dict:
         accel.load_state(path, other)
         out["checkpoint_equal"] = all(torch.equal(other.state_dict()[k].cpu(), v) for k, v in trained.items())
         out["specs_after_checkpoint"] = xla_fsdp.parameter_shardings(other)
+        accel.save_model(model, os.path.join(tmp, "out"))  # the sharded weights gathered into one file
+        from safetensors.torch import load_file
+
+        saved = load_file(os.path.join(tmp, "out", "model.safetensors"))
+        out["saved_model_equal"] = set(saved) == set(trained) and all(torch.equal(saved[k], v)
+                                                                        for k, v in trained.items())
     return out
 
 

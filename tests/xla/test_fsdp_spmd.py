@@ -147,6 +147,7 @@ def test_state_dict_keys_and_checkpoints_are_the_plain_models(spmd_run):
     shapes = {name: tuple(p.shape) for name, p in new_model().named_parameters()}
     want = {name: _expected_spec(shape, "fsdp") for name, shape in shapes.items()}
     assert trips["specs_after_load"] == want and trips["specs_after_checkpoint"] == want  # still sharded
+    assert trips["saved_model_equal"]  # accel.save_model gathers the sharded weights into model.safetensors
 
 
 @pytest.mark.slow
