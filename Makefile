@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # torch_xla 2.9.0 is the newest release and pins torch 2.9.0; torchvision 0.24.0 matches it
 # (its nms is the reference our nms tests compare against).
 PINS   := torch==2.9.0 torch_xla==2.9.0 torchvision==0.24.0
-DEPS   := transformers numpy pytest pybind11 ninja tqdm matplotlib ensemble-boxes ruff
+DEPS   := transformers peft numpy pytest pybind11 ninja tqdm matplotlib ensemble-boxes ruff
 
 export PJRT_DEVICE ?= CPU
 

@@ -94,7 +94,7 @@ from accel.runtime import policy
 from accel.runtime.host_memory import keep_freed_memory
 from accel.utils.cpu import native, warn_emulated
 from accel.utils.instance_forward import InstanceForward
-from accel.utils.transformers_models import name_the_default_loss
+from accel.utils.transformers_models import name_the_default_loss, transformers_model
 from accel.utils.xla import require_xla, xla_available, xla_on_accelerator, xla_on_cpu_client
 
 __all__ = ["accelerate", "resolve_backend"]
@@ -397,11 +397,13 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
     if config.memory.keep_freed_memory and _runs_on_cpu(backend):
         keep_freed_memory()
     model = model.to(device)
-    name_the_default_loss(model)  # GPT-2's loss without transformers' per-call warning (a graph break)
+    # What accel does to a transformers model it does to the one inside a PEFT (LoRA) model: its forward runs it.
+    hf = transformers_model(model)
+    name_the_default_loss(hf)  # GPT-2's loss without transformers' per-call warning (a graph break)
     # before any wrapper hides the model's class (and its config)
-    no_mask_as_full = reads_no_mask_as_full(model)
+    no_mask_as_full = reads_no_mask_as_full(hf)
     drop_full_masks = config.dataloader.drop_full_masks and dataloader is not None and no_mask_as_full
-    pad_id = _models_pad_id(model)
+    pad_id = _models_pad_id(hf)
     _pad_with_models_pad_id(config, pad_id)
     if onednn_products:  # eager calls; compiled graphs get a graph pass (below)
         from torch.nn.modules.linear import Linear
@@ -418,14 +420,14 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
     if config.memory.fused_lm_loss:  # an instance forward: inside the packing and autocast wrappers below
         from accel.compiler.fused_lm_loss import fuse_lm_loss
 
-        fuse_lm_loss(model)
+        fuse_lm_loss(hf)
     # Packed rows always have a mask; "accel_sdpa" still gives their attention the model's own dropout layer.
-    plain_training, plain_causal = _plain_training_attention(model, config.compute.cpu_attention, backend, dtype)
-    unpadded_attention(model, plain_training=plain_training, plain_causal=plain_causal)
+    plain_training, plain_causal = _plain_training_attention(hf, config.compute.cpu_attention, backend, dtype)
+    unpadded_attention(hf, plain_training=plain_training, plain_causal=plain_causal)
     if config.compute.fuse_qkv:
         from accel.compiler.fused_qkv import fuse_qkv
 
-        fuse_qkv(model)
+        fuse_qkv(hf)
     if config.dataloader.pack:  # packed rows pool one token per sample: PackedModel cuts the last layer itself
         from accel.compiler.packed import PackedModel
 
@@ -435,7 +437,7 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         if config.compute.first_token_only:
             from accel.compiler.first_token import first_token_only
 
-            first_token_only(model)
+            first_token_only(hf, hooks_on=model)
     if dtype is not None:  # outermost: PackedModel calls parts of the model, not its forward
         # a forward captured in a CUDA graph (compute.step_graph) must not cache weight casts (torch.cuda.graph's
         # rule for autocast); elsewhere the cache saves a cast per use of a weight

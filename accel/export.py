@@ -11,6 +11,8 @@ is what a run hands on: the user's own module's weights (accel.utils.modules.unw
 "_orig_mod." prefixes, accel's wrappers gone), gathered whole from FSDP2 shards, in the files users load:
 - a transformers model: what its save_pretrained writes (config.json, generation_config.json, model.safetensors,
   sharded with an index past max_shard_size), the architecture named without FSDP's class prefix;
+- a PEFT model (LoRA, ...): what its save_pretrained writes, the adapters (adapter_config.json,
+  adapter_model.safetensors), for PeftModel.from_pretrained over the base model;
 - any other nn.Module: model.safetensors of its state dict (tied weights stored once per key), or
   pytorch_model.bin (torch.save) where safetensors is not installed or the state dict holds non-tensor values.
 Rank 0 writes into a temporary folder next to `directory` and then moves the files in, so a failed save leaves
@@ -33,8 +35,8 @@ from accel.utils.modules import is_sharded, unwrap_model
 
 __all__ = ["save_model", "unwrap_model"]
 
-# the weight files save_pretrained and save_model write (whole, sharded, and their indexes)
-_WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+# the weight files save_pretrained and save_model write (whole, sharded, and their indexes; a PEFT model's adapters)
+_WEIGHT_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
 
 
 def save_model(model: nn.Module, directory, *, max_shard_size: int | str = "50GB") -> None:
@@ -86,11 +88,12 @@ def _local_state_dict(module: nn.Module) -> dict:
     return _to_cpu(state, copy=False)
 
 
-def _is_pretrained_model(module: nn.Module) -> bool:
-    """A transformers PreTrainedModel, also as FSDP2 leaves it (its class a subclass defined in torch)."""
-    transformers = sys.modules.get("transformers")  # not imported: no such model can exist
-    base = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
-    return base is not None and isinstance(module, base)
+def _instance_of(module: nn.Module, package: str, name: str) -> bool:
+    """isinstance(module, package.name), also as FSDP2 leaves it (its class a subclass defined in torch); False
+    while the package is not imported (no such module can exist then)."""
+    loaded = sys.modules.get(package)
+    cls = getattr(loaded, name, None) if loaded is not None else None
+    return cls is not None and isinstance(module, cls)
 
 
 def _write(module: nn.Module, state: dict, directory: str, max_shard_size) -> None:
@@ -99,7 +102,9 @@ def _write(module: nn.Module, state: dict, directory: str, max_shard_size) -> No
         raise FileNotFoundError(2, "No such folder to create the directory in", directory)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(directory))}.", suffix=".tmp", dir=parent)
     try:
-        if _is_pretrained_model(module):
+        if _instance_of(module, "peft", "PeftModel"):  # its adapters: adapter_config.json, adapter_model.safetensors
+            module.save_pretrained(staging, state_dict=state)
+        elif _instance_of(module, "transformers", "PreTrainedModel"):
             module.save_pretrained(staging, state_dict=state, max_shard_size=max_shard_size)
         else:
             _save_state_dict(state, staging)

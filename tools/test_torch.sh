@@ -19,7 +19,7 @@ venv=".venv-torch-$version"
 py="$venv/bin/python"
 test -x "$py" || "${PYTHON:-python3.11}" -m venv "$venv"
 "$py" -m pip install --quiet --upgrade pip
-"$py" -m pip install --quiet "torch==$version" numpy pytest pybind11 ninja tqdm transformers matplotlib \
+"$py" -m pip install --quiet "torch==$version" numpy pytest pybind11 ninja tqdm transformers peft matplotlib \
   ensemble-boxes ruff
 minor=$(echo "$version" | cut -d. -f2)
 ignore=()

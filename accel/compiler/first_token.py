@@ -315,11 +315,17 @@ def _cuttable(mask) -> bool:
     return mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 4)
 
 
+def _linear(module) -> bool:
+    """An nn.Linear, or a PEFT adapter layer over one (LoRA's, IA3's: its base_layer), which is called like it: the
+    cut calls the projections, so their adapters apply."""
+    return isinstance(module, nn.Linear) or isinstance(getattr(module, "base_layer", None), nn.Linear)
+
+
 def _bert_layer(layer: nn.Module) -> bool:
     """Whether `layer` is built like BertLayer (self-attention query/key/value, its output, a feed-forward)."""
     attention = getattr(layer, "attention", None)
     attn = getattr(attention, "self", None)
-    return (attn is not None and all(isinstance(getattr(attn, n, None), nn.Linear) for n in ("query", "key", "value"))
+    return (attn is not None and all(_linear(getattr(attn, n, None)) for n in ("query", "key", "value"))
             and hasattr(attn, "attention_head_size") and hasattr(attn, "scaling")
             and isinstance(getattr(attn, "dropout", None), nn.Dropout)
             and not getattr(attention, "is_cross_attention", False) and hasattr(attention, "output")
@@ -337,7 +343,7 @@ def _pre_norm_layer(layer: nn.Module) -> bool:
     return (all(isinstance(getattr(layer, n, None), nn.LayerNorm) for n in ("layernorm_before", "layernorm_after"))
             and isinstance(getattr(layer, "mlp", None), nn.Module)
             and isinstance(getattr(layer, "dropout", None), nn.Dropout)
-            and all(isinstance(getattr(attn, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            and all(_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
             and hasattr(attn, "head_dim") and hasattr(attn, "scaling") and hasattr(attn, "config")
             and not getattr(attn, "is_causal", False) and _eager_attention(attn) is not None)
 
@@ -348,7 +354,7 @@ def _post_norm_layer(layer: nn.Module) -> bool:
     attn = getattr(layer, "attention", None)
     return ({name for name, _ in layer.named_children()} == {"attention", "sa_layer_norm", "ffn", "output_layer_norm"}
             and all(isinstance(getattr(layer, n), nn.LayerNorm) for n in ("sa_layer_norm", "output_layer_norm"))
-            and all(isinstance(getattr(attn, n, None), nn.Linear) for n in ("q_lin", "k_lin", "v_lin", "out_lin"))
+            and all(_linear(getattr(attn, n, None)) for n in ("q_lin", "k_lin", "v_lin", "out_lin"))
             and isinstance(getattr(attn, "dropout", None), nn.Dropout)
             and all(hasattr(attn, n) for n in ("attention_head_size", "scaling", "config"))
             and not getattr(attn, "is_causal", False) and _eager_attention(attn) is not None)
@@ -368,7 +374,8 @@ def _decoder_layer(layer: nn.Module) -> bool:
         return False
     projections = {"qkv_proj", "o_proj"} if phi3 else {"q_proj", "k_proj", "v_proj", "o_proj"}
     return ({name for name, _ in attn.named_children()} in (projections, projections | {"q_norm", "k_norm"})
-            and all(isinstance(getattr(attn, n), nn.Linear) for n in projections)
+            # Phi-3's rows of qkv_proj are sliced out of its weight: an adapter over it would be left out
+            and all(isinstance(getattr(attn, n), nn.Linear) if phi3 else _linear(getattr(attn, n)) for n in projections)
             and all(hasattr(attn, n) for n in ("head_dim", "scaling", "layer_idx", "config")
                     + (("num_key_value_heads",) if phi3 else ()))
             and getattr(attn, "is_causal", False) is True and _eager_attention(attn) is not None
@@ -408,12 +415,15 @@ def last_layer_rows(model: nn.Module) -> _LastLayerForward | None:
     return forward
 
 
-def first_token_only(model: nn.Module) -> bool:
+def first_token_only(model: nn.Module, hooks_on: nn.Module | None = None) -> bool:
     """Make the last layer of a classifier that reads one token compute that token only (see the module docstring).
 
     Args:
         model: a transformers model whose class is in FIRST_TOKEN_HEADS (position 0) or LAST_TOKEN_HEADS (the last
             token that is not padding); anything else is left alone.
+        hooks_on: the module whose calls switch the cut on (forward hooks, given the model's arguments); default
+            the model. A PEFT model that wraps it: peft calls the model's forward, not the model, so hooks on the
+            model itself would not run.
 
     Returns:
         Whether the model now computes its last layer for one token. A second call changes nothing.
@@ -426,6 +436,7 @@ def first_token_only(model: nn.Module) -> bool:
     if forward.hooked:
         return True
     forward.hooked = True
-    model.register_forward_pre_hook(forward.enter, with_kwargs=True)
-    model.register_forward_hook(forward.leave, always_call=True)
+    caller = model if hooks_on is None else hooks_on
+    caller.register_forward_pre_hook(forward.enter, with_kwargs=True)
+    caller.register_forward_hook(forward.leave, always_call=True)
     return True

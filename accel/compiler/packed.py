@@ -28,7 +28,7 @@ from accel.compiler.first_token import last_layer_rows, sees_every_position
 from accel.compiler.unpadded_attention import ACCEL_SDPA, CU_SEQLENS, SDPA, SEGMENT_IDS, SEGMENTS_CAUSAL
 from accel.data.packing import LABEL_PAD, block_diagonal_mask, static_cu_seqlens
 from accel.runtime.nn import varlen_attention
-from accel.utils.transformers_models import CAUSAL_LM_HEADS
+from accel.utils.transformers_models import CAUSAL_LM_HEADS, transformers_model
 
 FLEX = "flex_attention"
 BACKENDS = (FLEX, SDPA, ACCEL_SDPA, "eager")
@@ -212,6 +212,14 @@ class PackedModel(nn.Module):
         if not isinstance(model, nn.Module) or config is None:
             raise ValueError("model must be a transformers model (an nn.Module with .config), "
                              f"got {type(model).__name__}")
+        peft_config = getattr(model, "active_peft_config", None)
+        if getattr(peft_config, "is_prompt_learning", False):
+            raise ValueError(f"model is a PEFT {peft_config.peft_type} model, which adds virtual tokens to every call; "
+                             "packed rows hold several samples, so PackedModel packs PEFT models whose adapters sit in "
+                             "the layers (LoRA, IA3, ...) only")
+        # A PEFT (LoRA) model is called as it is; what PackedModel reads of the model (its class, head, layers) is
+        # the transformers model inside it, whose layers hold the adapters.
+        wrapper, model = model, transformers_model(model)
         name = type(model).__name__
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError(f"model {name} is an encoder-decoder; PackedModel supports encoders and causal "
@@ -238,10 +246,12 @@ class PackedModel(nn.Module):
         else:
             raise ValueError(f"model {name} has an unsupported head; PackedModel supports "
                              f"*{', *'.join(_TOKEN_HEADS + CAUSAL_LM_HEADS)} and *{_SEQUENCE_HEAD}")
-        self.model = model
+        self.model = wrapper
+        self._inner = (model,)  # a tuple: not a second registration of the same submodule
         self.cuda_varlen = cuda_varlen
         # Whether extra keyword arguments reach the attention functions (transformers 5's **kwargs)
-        self._passes_kwargs = all(_takes_var_keywords(type(m).forward) for m in (model, model.base_model))
+        self._passes_kwargs = all(_takes_var_keywords(type(m).forward)
+                                  for m in dict.fromkeys((wrapper, model, model.base_model)))
         # The selecting forward of the last layer (a plain object, not a submodule), or None: the full layer.
         self._last_layer = last_layer_rows(model) if first_tokens_only and self.head in ("sequence", "last_token") \
             else None
@@ -409,7 +419,8 @@ class PackedModel(nn.Module):
         else:
             rows = torch.where(in_segment, positions, 0).amax(dim=-1)
 
-        base = self.model.base_model
+        model = self._inner[0]
+        base = model.base_model
         # The last layer computes only the rows the pooler reads (see __init__), unless the call asks to see
         # every position of every layer.
         last = self._last_layer if not sees_every_position(self.model.config, kwargs) else None
@@ -424,13 +435,13 @@ class PackedModel(nn.Module):
         read = hidden if last is not None else hidden.gather(
             1, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, S, H]
         if self.head == "last_token":
-            logits = self.model.score(read)
+            logits = model.score(read)
         elif self._distilbert_head:  # DistilBertForSequenceClassification's head, on each sample's first token
-            logits = self.model.classifier(self.model.dropout(F.relu(self.model.pre_classifier(read))))
+            logits = model.classifier(model.dropout(F.relu(model.pre_classifier(read))))
         else:
             # The pooler takes token 0 of each [1, H] "sequence": one pooled vector per sample.
             pooled = base.pooler(read.reshape(batch * segments, 1, hidden.shape[-1]))
-            logits = self.model.classifier(self.model.dropout(pooled)).view(batch, segments, -1)
+            logits = model.classifier(model.dropout(pooled)).view(batch, segments, -1)
         # No sample there: zeros rather than logits computed from a stand-in token.
         logits = logits.masked_fill(~present.unsqueeze(-1), 0.0)
 

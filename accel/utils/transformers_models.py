@@ -13,6 +13,19 @@ def is_transformers_model(model) -> bool:
     return getattr(model, "config", None) is not None and type(model).__module__.startswith("transformers.")
 
 
+def transformers_model(model):
+    """The transformers model that `model` runs: `model` itself, or the one inside a PEFT model whose adapters sit
+    in the model's own layers (LoRA, IA3, ...: peft injects them in place, and PeftModel.forward calls the model
+    with the caller's arguments), so what accel does to a transformers model (packing, its attention, the last
+    layer's cut, the fused loss) applies to it with the adapters in. A prompt-learning PEFT model (prefix or
+    prompt tuning: virtual tokens added to every call) comes back as it is."""
+    peft = sys.modules.get("peft")  # not imported: no PEFT model can exist
+    base = getattr(peft, "PeftModel", None) if peft is not None else None
+    if base is not None and isinstance(model, base) and not model.active_peft_config.is_prompt_learning:
+        return model.get_base_model()
+    return model
+
+
 def kv_cache_types() -> tuple[type, ...]:
     """transformers' key/value cache base class, as a tuple for isinstance; () while transformers.cache_utils is
     not loaded (no cache can exist before it is)."""
