@@ -192,7 +192,8 @@ class PackedModel(nn.Module):
     values.
 
     Args:
-        model: the transformers model to wrap.
+        model: the transformers model to wrap, or a PEFT model around one whose adapters sit in its layers (LoRA):
+            called as it is, its transformers model read for the rest.
         first_tokens_only: let a sequence classifier's last layer compute only the samples' tokens its head reads
             (accelerate()'s compute.first_token_only). Outputs and gradients are the same either way.
         cuda_varlen: on CUDA, an "accel_sdpa" model's self-attention computes each sample alone by torch's
@@ -201,9 +202,9 @@ class PackedModel(nn.Module):
             dropout while training, 16-bit, a head size up to 256); elsewhere the document mask.
 
     Raises:
-        ValueError: an encoder-decoder model, ALiBi attention, an encoder head on a decoder, an attention
-            implementation not in BACKENDS, a head it cannot pack, or a sequence classifier for regression /
-            multi-label or without a first-token pooler.
+        ValueError: an encoder-decoder model, ALiBi attention, a PEFT prompt-learning model, an encoder head on a
+            decoder, an attention implementation not in BACKENDS, a head it cannot pack, or a sequence classifier
+            for regression / multi-label or without a first-token pooler.
     """
 
     def __init__(self, model: nn.Module, first_tokens_only: bool = True, cuda_varlen: bool = False):
