@@ -2,7 +2,8 @@
 
     python -m accel.launch --nproc_per_node=2 tests/distributed/_lm_worker.py OUT_DIR MODE[,MODE...]
 
-Each mode (ddp, fsdp: dist.fsdp.size=2) trains tests/distributed/_lm_worker.new_lm() through accel.accelerate()
+Each mode (ddp, fsdp: dist.fsdp.size=2; *_lora: the model with peft's LoRA adapters, new_lora_lm) trains
+tests/distributed/_lm_worker.new_lm() through accel.accelerate()
 with memory.fused_lm_loss (the loss computed from lm_head's weight, not through lm_head's forward, which is
 where FSDP2 would gather it) and writes OUT_DIR/<MODE>.pt from rank 0: the full state dict, and whether
 every training call returned no logits; and, through accel.save_model, OUT_DIR/<MODE>_model/ (save_pretrained's
@@ -31,6 +32,16 @@ def new_lm():
         intermediate_size=64, tie_word_embeddings=False)).train()
 
 
+def new_lora_lm():
+    """new_lm() with LoRA adapters on its query and value projections (peft), random from the start (B not zero)."""
+    import peft
+
+    model = new_lm()
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                      task_type="CAUSAL_LM", init_lora_weights=False)).train()
+
+
 def samples():
     g = torch.Generator().manual_seed(3)
     return [{"input_ids": x, "labels": x} for x in torch.randint(1, 97, (16, 12), generator=g)]
@@ -42,9 +53,10 @@ def run(out_dir, mode):
     config = accel.Config(backend="cpu")
     config.compute.compile = config.compute.kernels = False
     config.memory.fused_lm_loss = True
-    if mode == "fsdp":
+    if mode.startswith("fsdp"):
         config.dist.fsdp.size = 2
-    model, loader = accel.accelerate(new_lm(), DataLoader(samples(), batch_size=BATCH), config)
+    lm = new_lora_lm() if mode.endswith("lora") else new_lm()
+    model, loader = accel.accelerate(lm, DataLoader(samples(), batch_size=BATCH), config)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     no_logits = True
     for batch in loader:
