@@ -15,7 +15,7 @@ Data: seeded lognormal lengths (median 180 tokens, sigma 0.8, as instruction-tun
 prompt the loss ignores (labels -100: instruction tuning's completion-only loss).
 
     python benchmarks/causal_lm.py [--quick] [--modes eager,peer,accel] [--steps N] [--batch B] [--attn flex_attention]
-                                   [--vocab V] [--prompt-fraction F]
+                                   [--vocab V] [--prompt-fraction F] [--lora R]
 
 Writes benchmarks/results/causal_lm_<device>.json and .png.
 """
@@ -115,6 +115,17 @@ def build_model(config: dict, seed: int, attn: str = "sdpa"):
     return LlamaForCausalLM(LlamaConfig(**config, attn_implementation=attn)).train()
 
 
+def lora_model(model, rank: int):
+    """model with peft's LoRA adapters of rank `rank` on every attention and MLP projection (the frozen base, the
+    adapters trained): the fine-tuning users run on large models, through every mode alike."""
+    import peft
+
+    torch.manual_seed(1)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                                                      task_type="CAUSAL_LM"))
+
+
 def plots(rows: list[dict], title: str, name: str, directory: Path) -> list[Path]:
     """<name>.png: real tokens/s over the eager row (over the peer's where eager did not run); <name>_memory.png:
     the peer's peak memory over each row's (above 1: less memory than the peer)."""
@@ -157,6 +168,8 @@ def parse_args(argv=None):
                                              "share of the step, which memory.fused_lm_loss computes in chunks")
     ap.add_argument("--prompt-fraction", type=float, default=0.0,
                     help="the first fraction of each sample is a prompt the loss ignores (labels -100)")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="fine-tune LoRA adapters of rank R (peft) on every projection instead of all weights")
     ap.add_argument("--quick", action="store_true", help="tiny Llama, batch 4, rows of 64, 2 steps")
     ap.add_argument("--out", help="result file name without extension (default causal_lm_<cpu|cuda>)")
     ap.add_argument("--results-dir", type=Path, default=_report.RESULTS)
@@ -166,7 +179,10 @@ def parse_args(argv=None):
     args.device = torch.device(args.device or bert_base.default_device())
     if not 0.0 <= args.prompt_fraction < 1.0:
         ap.error(f"--prompt-fraction: expected a fraction in [0, 1), got {args.prompt_fraction}")
-    args.out = args.out or f"causal_lm_{args.device.type}" + ("" if args.attn == "sdpa" else f"_{args.attn}")
+    if args.lora < 0:
+        ap.error(f"--lora: expected a rank >= 1 (0: no adapters), got {args.lora}")
+    args.out = args.out or (f"causal_lm_{args.device.type}" + ("" if args.attn == "sdpa" else f"_{args.attn}")
+                            + (f"_lora{args.lora}" if args.lora else ""))
     return args
 
 
@@ -176,6 +192,8 @@ def main(argv=None) -> int:
     env["keep_freed_memory"] = args.device.type == "cpu" and keep_freed_memory()  # as bert_base.py
     config = model_config(args.quick, args.vocab)
     model = build_model(config, args.seed, args.attn)
+    if args.lora:
+        model = lora_model(model, args.lora)
     vocab = model.config.vocab_size
     lengths = packable_lengths(args.batch, args.warmup + args.steps, args.max_length, args.seed)
     # The peer compiles every length as one dynamic graph: with Dynamo's automatic shapes (static first, dynamic
@@ -187,8 +205,9 @@ def main(argv=None) -> int:
           f"{len(lengths)} samples of median {sorted(lengths)[len(lengths) // 2]} tokens; modes {','.join(args.modes)}",
           flush=True)
     ctx = bert_base.Context(model, workload, args.device, args.lr)
-    return run_one_workload(ctx, args, env, dict(config, attn=args.attn),
-                            f"{workload.name} (vocabulary {vocab}) on {env['device']}")
+    return run_one_workload(ctx, args, env, dict(config, attn=args.attn, lora=args.lora),
+                            f"{workload.name} (vocabulary {vocab}{f', LoRA r={args.lora}' if args.lora else ''}) "
+                            f"on {env['device']}")
 
 
 def run_one_workload(ctx: bert_base.Context, args, env: dict, model: dict, title: str) -> int:

@@ -34,6 +34,22 @@ def test_quick_fused_loss_row_takes_the_same_steps(tmp_path):
     assert (tmp_path / "fused.png").exists() and (tmp_path / "fused_memory.png").exists()
 
 
+def test_quick_lora_rows_train_the_adapters_alone(tmp_path):
+    """--lora R: every mode fine-tunes peft's LoRA adapters over the frozen model (accel through the model inside
+    the PEFT one: packed rows); the rows pass the loss check."""
+    import pytest
+
+    pytest.importorskip("peft", reason="--lora needs peft (in the test dependencies)")
+    status = causal_lm.main(["--quick", "--lora", "2", "--modes", "peer,accel", "--results-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "causal_lm_cpu_lora2.json").read_text())
+    assert status == 0 and result["model"]["lora"] == 2
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert all(r["status"] == "ok" for r in rows.values()) and "packed rows" in rows["accel"]["precision"]
+    model = causal_lm.lora_model(causal_lm.build_model(causal_lm.model_config(quick=True), seed=0), rank=2)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+
+
 def test_prompt_fraction_ignores_each_samples_first_labels():
     samples = causal_lm.make_samples([10, 3], vocab=50, seed=0, prompt_fraction=0.5)
     assert [(s["labels"] == LABEL_PAD).sum().item() for s in samples] == [5, 1]
