@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 import accel
 from accel.compiler.packed import PackedModel
 from accel.utils.transformers_models import transformers_model
+from accel.utils.xla import xla_available
 from tests.compiler.test_packed import (
     VOCAB,
     _causal_loss_weights,
@@ -122,8 +123,10 @@ def _lm_loader():
     return DataLoader([dict(d, labels=d["input_ids"]) for d in data], batch_size=4)
 
 
-def test_accelerate_trains_a_packed_lora_model_and_saves_its_adapters(tmp_path):
-    config = accel.Config(backend="cpu")
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("xla", marks=[pytest.mark.slow, pytest.mark.skipif(
+    not xla_available(), reason="the xla backend needs torch_xla")])])
+def test_accelerate_trains_a_packed_lora_model_and_saves_its_adapters(tmp_path, backend):
+    config = accel.Config(backend=backend)
     config.compute.kernels = False
     config.dataloader.pack, config.dataloader.max_length = True, 32
     lora = _lora_llama()
@@ -136,14 +139,14 @@ def test_accelerate_trains_a_packed_lora_model_and_saves_its_adapters(tmp_path):
         model(**batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    assert all(torch.equal(p, frozen[name]) for name, p in lora.named_parameters() if not p.requires_grad)
+    assert all(torch.equal(p.cpu(), frozen[name]) for name, p in lora.named_parameters() if not p.requires_grad)
     accel.save_model(model, tmp_path / "adapters")
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(p.name for p in (tmp_path / "adapters").iterdir())
     loaded = peft.PeftModel.from_pretrained(_llama(), tmp_path / "adapters").eval()
     ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         want = loaded(input_ids=ids).logits
-        got = copy.deepcopy(lora).eval()(input_ids=ids).logits  # the trained adapters, outside accel's wrappers
+        got = copy.deepcopy(lora).cpu().eval()(input_ids=ids).logits  # the trained adapters, outside accel's wrappers
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(want, _lora_llama().eval()(input_ids=ids).logits)  # the adapters did train
 
