@@ -370,8 +370,8 @@ class PackedModel(nn.Module):
             kwargs[CU_SEQLENS] = static_cu_seqlens(seq_lens, input_ids.shape[1])
         elif backend == ACCEL_SDPA and input_ids.device.type == "cpu" and self._passes_kwargs:
             # and on the CPU by accel.runtime.nn.varlen_attention: the work of the samples, not of the whole row
-            # masked. A layer whose sliding window cuts inside the row keeps its mask (Gemma's local layers: each
-            # names its window, as every transformers model with local layers does)
+            # masked; a layer with a sliding window (Gemma's local layers: each names its window, as every
+            # transformers model with local layers does) cuts it inside each sample
             kwargs[SEGMENT_IDS], kwargs[SEGMENTS_CAUSAL] = segment_ids, decoder
         if token_type_ids is not None:  # not every model takes them (Llama does not)
             kwargs["token_type_ids"] = token_type_ids

@@ -75,7 +75,7 @@ _PROBE_SHAPE = (4, 12, 256, 64)  # B, H, L, D: a BERT-base / ViT-base layer's at
 _NO_DROPOUT = nn.Identity()
 # What a call may ask of the attention beyond q, k, v and a mask, which the per-sample and plain ways do not do. A
 # sliding window is not among them: transformers puts it in the mask wherever it cuts (SDPA never reads the keyword),
-# and the plain ops take the same mask; only the per-sample way, which builds no mask, refuses one.
+# and the plain ops take the same mask; the per-sample ways, which build no mask, cut it inside each sample.
 _SDPA_ONLY_KWARGS = ("softcap", "position_bias", "cache", "s_aux", "head_mask")
 
 
@@ -189,18 +189,11 @@ def _sample_windows(module: nn.Module, kwargs: dict) -> list[int]:
 
 def _per_sample(module: nn.Module, query, key, segments, dropout: float, kwargs: dict) -> bool:
     """Whether a call given packed rows' segment ids can compute each sample alone, what its document mask gives:
-    self-attention over the whole row, without dropout, soft-capping or a bias."""
+    self-attention over the whole row, without dropout, soft-capping or a bias (a sliding window is taken along:
+    both ways cut it inside each sample)."""
     length = segments.shape[1]
     return (query.shape[2] == key.shape[2] == length and not (dropout > 0 and module.training)
             and all(kwargs.get(name) is None for name in _SDPA_ONLY_KWARGS))
-
-
-def _per_sample_on_cpu(module: nn.Module, query, key, segments, dropout: float, kwargs: dict) -> bool:
-    """_per_sample with varlen_attention: on the CPU, without a sliding window that cuts inside the row (a key is
-    out of a window W where it is W or more tokens behind the query: a window as long as the row cuts nothing,
-    e.g. Mistral's 4096 over rows of 1024)."""
-    return (query.device.type == "cpu" and _per_sample(module, query, key, segments, dropout, kwargs)
-            and all(w >= segments.shape[1] for w in _sample_windows(module, kwargs)))
 
 
 def _attention(sdpa_forward):
@@ -212,20 +205,22 @@ def _attention(sdpa_forward):
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         segments, causal = kwargs.pop(SEGMENT_IDS, None), kwargs.pop(SEGMENTS_CAUSAL, False)
         cu_seqlens = kwargs.pop(CU_SEQLENS, None)
-        if segments is not None:
+        windows = _sample_windows(module, kwargs) if segments is not None else []
+        if (segments is not None and _per_sample(module, query, key, segments, dropout, kwargs)
+                and (causal or not windows)):
             from accel.runtime.nn import varlen_attention as varlen
 
-            windows = _sample_windows(module, kwargs)
-            if (cu_seqlens is not None and _per_sample(module, query, key, segments, dropout, kwargs)
-                    and (causal or not windows) and varlen.flash_varlen_fits(query, key)):
-                # a call's keyword and its module name one window (Mistral's, a Qwen layer's) or none
+            # causal as the document mask it replaces is (not as the module says: some do not say); a call's
+            # keyword and its module name one window (Mistral's, a Qwen or Gemma layer's) or none
+            window = min(windows, default=None)
+            if cu_seqlens is not None and varlen.flash_varlen_fits(query, key):
                 out = varlen.flash_varlen_attention(query, key, value, cu_seqlens, is_causal=causal, scale=scaling,
-                                                    window=min(windows, default=None))
+                                                    window=window)
                 return out.transpose(1, 2), None
-            if _per_sample_on_cpu(module, query, key, segments, dropout, kwargs):
-                # causal as the document mask it replaces is (not as the module says: some do not say)
+            if query.device.type == "cpu":
                 out = varlen.varlen_attention(query, key, value, segments, is_causal=causal, scale=scaling,
-                                              plain=getattr(module, PLAIN_CAUSAL if causal else PLAIN_TRAINING, False))
+                                              plain=getattr(module, PLAIN_CAUSAL if causal else PLAIN_TRAINING, False),
+                                              window=window)
                 return out.transpose(1, 2).contiguous(), None
         if _plain_training(module, query, key, attention_mask, dropout, kwargs):
             return _plain_module_attention(module, query, key, value, attention_mask, scaling), None

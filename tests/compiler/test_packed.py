@@ -603,8 +603,9 @@ def test_packed_decoder_classifier_gradients_match_each_sample_alone(family, dev
 # alternate local (sliding) and global layers, and take a mask per kind of layer. Samples longer than W = 4 and
 # rows of 16 make the window matter (without it the logits were 0.13 (Mistral) and 0.45 (Gemma 2) off).
 # Gemma 2 has no SDPA in transformers; Gemma 3's first layer is local, its second global. With "accel_sdpa" on the
-# CPU the global layer computes each sample alone (varlen_attention) and the local one keeps its windowed mask.
-SLIDING = [("mistral", "sdpa"), ("mistral", "eager"), ("gemma2", "eager"), ("gemma3", "sdpa"), ("gemma3", ACCEL_SDPA)]
+# CPU every layer computes each sample alone (varlen_attention), the local ones cutting their window inside it.
+SLIDING = [("mistral", "sdpa"), ("mistral", "eager"), ("mistral", ACCEL_SDPA), ("gemma2", "eager"), ("gemma3", "sdpa"),
+           ("gemma3", ACCEL_SDPA)]
 
 
 def _sliding_decoder(family, attn_implementation):
@@ -639,9 +640,9 @@ def test_packed_sliding_window_decoders_match_each_sample_alone(monkeypatch, fam
     alone, flash = [], va._flash
     monkeypatch.setattr(va, "_flash", lambda q, *args, **kw: (alone.append(q.shape[2]), flash(q, *args, **kw))[1])
     out = packed(**batch)
-    # the global layer's samples (and each row's padding) one at a time: only under "accel_sdpa"
+    # every layer's samples (and each row's padding) one at a time: only under "accel_sdpa"
     runs = sum(len(row) for row in va.segment_runs(batch["segment_ids"]))
-    assert len(alone) == (runs if backend == ACCEL_SDPA else 0)
+    assert len(alone) == (runs * model.config.num_hidden_layers if backend == ACCEL_SDPA else 0)
     out["loss"].backward()
     weights = _causal_loss_weights(samples)
     expected_loss = 0.0

@@ -251,17 +251,17 @@ def _linear_cross_entropy_bwd(device, dtype, gen, *, bias=True, want_weight=True
     return grad, hidden, weight, b, target, lse, ignore_index, True, want_weight, bias
 
 
-def _varlen_attention_fwd(device, dtype, gen, *, causal=True, plain=False):
+def _varlen_attention_fwd(device, dtype, gen, *, causal=True, plain=False, window=0):
     q, k, v = (_randn((2, 3, 12, 4), device, dtype, gen, requires_grad=True) for _ in range(3))
     segments = torch.tensor([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12], device=device)
-    return q, k, v, segments, causal, 0.5, plain
+    return q, k, v, segments, causal, 0.5, plain, window
 
 
-def _varlen_attention_bwd(device, dtype, gen, *, plain=False):
-    q, k, v, segments, causal, scale, _ = _varlen_attention_fwd(device, dtype, gen)
+def _varlen_attention_bwd(device, dtype, gen, *, plain=False, window=0):
+    q, k, v, segments, causal, scale, _, _ = _varlen_attention_fwd(device, dtype, gen)
     q, k, v = q.detach(), k.detach(), v.detach()
-    out, lse = torch.ops.accel.varlen_attention_fwd(q, k, v, segments, causal, scale, plain)
-    return _randn(q.shape, device, dtype, gen), q, k, v, out, lse, segments, causal, scale, plain
+    out, lse = torch.ops.accel.varlen_attention_fwd(q, k, v, segments, causal, scale, plain, window)
+    return _randn(q.shape, device, dtype, gen), q, k, v, out, lse, segments, causal, scale, plain, window
 
 
 def _dcn_v2_bwd(device, dtype, gen, *, masked=True):
@@ -349,6 +349,9 @@ CASES = [
     Case("varlen_attention_bwd", "causal", _varlen_attention_bwd, (F32, BF16), cpu_only=True),
     Case("varlen_attention_fwd", "plain", _varlen_attention_fwd, (F32, BF16), {"plain": True}, cpu_only=True),
     Case("varlen_attention_bwd", "plain", _varlen_attention_bwd, (F32, BF16), {"plain": True}, cpu_only=True),
+    Case("varlen_attention_fwd", "window", _varlen_attention_fwd, (F32, BF16), {"window": 3}, cpu_only=True),
+    Case("varlen_attention_bwd", "window", _varlen_attention_bwd, (F32,), {"plain": True, "window": 3},
+         cpu_only=True),
     Case("onednn_mm", "bias", _onednn_mm, (F32,), marks=NEEDS_ONEDNN, cpu_only=True),
     Case("onednn_mm", "weight_transposed_no_bias", _onednn_mm, (F32,), {"bias": False, "transposed": True},
          marks=NEEDS_ONEDNN, cpu_only=True),

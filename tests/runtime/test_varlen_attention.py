@@ -248,3 +248,33 @@ def test_flash_varlen_attention_on_cuda_is_the_document_mask(causal, window, kv_
     grads = torch.autograd.grad(out, (q, k, v), g)
     for got, exp in zip(grads, torch.autograd.grad(want, exact, g.double().cpu())):
         torch.testing.assert_close(got.double().cpu(), exp, rtol=3e-2, atol=3e-2)
+
+
+# -- sliding windows on the CPU: each segment longer than the window gets the kernel's band mask ------------------
+@PLAIN
+@pytest.mark.parametrize("window", [3, 9, 40], ids=["window3", "window9", "window_as_long_as_the_row"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_sliding_window_is_the_windowed_document_mask_float64(window, kv_heads, plain):
+    """Outputs and gradients equal SDPA with the document mask cut to the window (the backward of a windowed
+    segment is the flash kernel's under its band even when `plain` asks for plain products)."""
+    q, k, v, g = _inputs(torch.float64, kv_heads=kv_heads)
+    out = varlen_attention(q, k, v, SEGMENTS, True, scale=0.3, plain=plain, window=window)
+    want = _windowed_reference(q, k, v, True, window, scale=0.3)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    for got, exp in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+        torch.testing.assert_close(got, exp, rtol=1e-10, atol=1e-12)
+
+
+def test_sliding_window_in_bf16_and_compiled():
+    q, k, v, g = _inputs(torch.bfloat16)
+    want = _windowed_reference(*(t.double() for t in (q, k, v)), True, 6).to(torch.bfloat16)
+    compiled = torch.compile(varlen_attention, dynamic=False, fullgraph=True)
+    for fn in (varlen_attention, compiled):
+        torch.testing.assert_close(fn(q, k, v, SEGMENTS, True, window=6), want, rtol=2e-2, atol=2e-2)
+
+
+def test_window_needs_causal_and_a_positive_size():
+    q, k, v, _ = _inputs(torch.float32)
+    for window, causal in ((4, False), (0, True), (True, True), (2.5, True)):
+        with pytest.raises(ValueError, match="window: expected a positive int with is_causal=True"):
+            varlen_attention(q, k, v, SEGMENTS, causal, window=window)

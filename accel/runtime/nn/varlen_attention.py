@@ -68,56 +68,76 @@ def _plain_backward(grad_out, q, k, v, out, lse, is_causal: bool, scale: float):
     return torch.matmul(grad_scores, k), torch.matmul(grad_scores.transpose(-1, -2), q), grad_value
 
 
+def _band(length: int, window: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive [length, length] mask of a causal sliding window (a query sees itself and the window - 1 tokens
+    before it), in the queries' dtype as the flash kernel takes it; None where the sample is no longer than the
+    window (causality alone cuts the same)."""
+    if window <= 0 or length <= window:
+        return None
+    position = torch.arange(length)
+    behind = position.view(-1, 1) - position.view(1, -1)
+    allowed = (behind >= 0) & (behind < window)
+    return torch.zeros(length, length, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+
+
 @torch.library.custom_op("accel::varlen_attention_fwd", mutates_args=())
 def _fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segment_ids: torch.Tensor, is_causal: bool,
-         scale: float, plain: bool) -> tuple[torch.Tensor, torch.Tensor]:
+         scale: float, plain: bool, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Assumptions: query, key, value [B, H, L, D] on the CPU, one dtype, as many key as query heads;
     segment_ids [B, L], each sample one run of equal ids; `plain` says how the backward computes (the forward is
-    the flash kernel's either way). Returns (output [B, H, L, D], logsumexp [B, H, L] in the accumulation
-    dtype)."""
+    the flash kernel's either way); window > 0 only with is_causal (0: none). Returns (output [B, H, L, D],
+    logsumexp [B, H, L] in the accumulation dtype)."""
     out = torch.empty_like(query)
     lse = query.new_empty(query.shape[:3], dtype=_lse_dtype(query.dtype))
     for b, runs in enumerate(segment_runs(segment_ids)):
         for start, end in runs:
             s = slice(start, end)
-            o, m = _flash(query[b:b + 1, :, s], key[b:b + 1, :, s], value[b:b + 1, :, s], 0.0, is_causal, scale=scale)
+            band = _band(end - start, window, query.dtype)
+            o, m = _flash(query[b:b + 1, :, s], key[b:b + 1, :, s], value[b:b + 1, :, s], 0.0,
+                          is_causal and band is None, attn_mask=band, scale=scale)
             out[b:b + 1, :, s] = o
             lse[b:b + 1, :, s] = m
     return out, lse
 
 
 @_fwd.register_fake
-def _fwd_fake(query, key, value, segment_ids, is_causal, scale, plain):
+def _fwd_fake(query, key, value, segment_ids, is_causal, scale, plain, window):
     return torch.empty_like(query), query.new_empty(query.shape[:3], dtype=_lse_dtype(query.dtype))
 
 
 @torch.library.custom_op("accel::varlen_attention_bwd", mutates_args=())
 def _bwd(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
          lse: torch.Tensor, segment_ids: torch.Tensor, is_causal: bool, scale: float,
-         plain: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of query, key and value, per sample (the assumptions of the forward op)."""
+         plain: bool, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of query, key and value, per sample (the assumptions of the forward op). A sample its window
+    cuts takes the flash kernel's backward under its band, plain or not."""
     grads = [torch.empty_like(t) for t in (query, key, value)]
     for b, runs in enumerate(segment_runs(segment_ids)):
         for start, end in runs:
             s = slice(start, end)
             args = (grad_out[b:b + 1, :, s], query[b:b + 1, :, s], key[b:b + 1, :, s], value[b:b + 1, :, s],
                     out[b:b + 1, :, s], lse[b:b + 1, :, s])
-            parts = (_plain_backward(*args, is_causal, scale) if plain and end - start < PLAIN_BACKWARD_BELOW
-                     else _flash_backward(*args, 0.0, is_causal, scale=scale))
+            band = _band(end - start, window, query.dtype)
+            if band is not None:
+                parts = _flash_backward(*args, 0.0, False, attn_mask=band, scale=scale)
+            elif plain and end - start < PLAIN_BACKWARD_BELOW:
+                parts = _plain_backward(*args, is_causal, scale)
+            else:
+                parts = _flash_backward(*args, 0.0, is_causal, scale=scale)
             for grad, part in zip(grads, parts):
                 grad[b:b + 1, :, s] = part
     return tuple(grads)
 
 
 @_bwd.register_fake
-def _bwd_fake(grad_out, query, key, value, out, lse, segment_ids, is_causal, scale, plain):
+def _bwd_fake(grad_out, query, key, value, out, lse, segment_ids, is_causal, scale, plain, window):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, segment_ids, is_causal, scale, plain = inputs
+    query, key, value, segment_ids, is_causal, scale, plain, window = inputs
     ctx.save_for_backward(query, key, value, output[0], output[1], segment_ids)
-    ctx.is_causal, ctx.scale, ctx.plain = is_causal, scale, plain
+    ctx.is_causal, ctx.scale, ctx.plain, ctx.window = is_causal, scale, plain, window
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -126,15 +146,16 @@ def _backward(ctx, grad_out, grad_lse):
                            "document mask for double backward")
     query, key, value, out, lse, segment_ids = ctx.saved_tensors
     dq, dk, dv = torch.ops.accel.varlen_attention_bwd(grad_out.contiguous(), query, key, value, out, lse, segment_ids,
-                                                      ctx.is_causal, ctx.scale, ctx.plain)
-    return dq, dk, dv, None, None, None, None
+                                                      ctx.is_causal, ctx.scale, ctx.plain, ctx.window)
+    return dq, dk, dv, None, None, None, None, None
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segment_ids: torch.Tensor,
-                     is_causal: bool = False, scale: float | None = None, plain: bool = False) -> torch.Tensor:
+                     is_causal: bool = False, scale: float | None = None, plain: bool = False,
+                     window: int | None = None) -> torch.Tensor:
     """softmax(q k^T scale) v where each token attends only to the tokens of its own segment (and, causal, not to
     later ones): `F.scaled_dot_product_attention` with the block-diagonal document mask, computed per segment.
 
@@ -146,6 +167,8 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         scale: the scores' scale (default 1 / sqrt(D)).
         plain: the backward of each sample shorter than PLAIN_BACKWARD_BELOW in plain products rather than by
             torch's flash kernel (see the module docstring).
+        window: with is_causal, each token attends to the last `window` tokens of its segment, itself included
+            (transformers' sliding_window; a segment longer than it gets the kernel's additive band mask).
 
     Returns:
         [B, H, L, D], query's dtype.
@@ -164,6 +187,9 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                          f"got {tuple(key.shape)} and {tuple(value.shape)}")
     if segment_ids.shape != (batch, length):
         raise ValueError(f"segment_ids: expected [{batch}, {length}], got {tuple(segment_ids.shape)}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1 or not is_causal):
+        raise ValueError(f"window: expected a positive int with is_causal=True, got {window!r} "
+                         f"(is_causal={is_causal})")
     # As SDPA under autocast: one dtype for the three, the autocast dtype where autocast is on (a custom op gets
     # its inputs as they are: rotary embeddings leave queries in fp32 next to bf16 keys).
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
@@ -172,7 +198,8 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         key = key.repeat_interleave(heads // key.shape[1], dim=1)
         value = value.repeat_interleave(heads // value.shape[1], dim=1)
     scale = float(query.shape[-1] ** -0.5 if scale is None else scale)
-    out, _ = torch.ops.accel.varlen_attention_fwd(query, key, value, segment_ids, bool(is_causal), scale, bool(plain))
+    out, _ = torch.ops.accel.varlen_attention_fwd(query, key, value, segment_ids, bool(is_causal), scale, bool(plain),
+                                                  int(window or 0))
     return out
 
 
