@@ -115,15 +115,16 @@ def build_model(config: dict, seed: int, attn: str = "sdpa"):
     return LlamaForCausalLM(LlamaConfig(**config, attn_implementation=attn)).train()
 
 
-def lora_model(model, rank: int):
+def lora_model(model, rank: int, task: str = "CAUSAL_LM"):
     """model with peft's LoRA adapters of rank `rank` on every attention and MLP projection (the frozen base, the
-    adapters trained): the fine-tuning users run on large models, through every mode alike."""
+    adapters trained; a classifier's head trained whole, peft's SEQ_CLS): the fine-tuning users run on large
+    models, through every mode alike."""
     import peft
 
     torch.manual_seed(1)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
-                                                      task_type="CAUSAL_LM"))
+                                                      task_type=task))
 
 
 def plots(rows: list[dict], title: str, name: str, directory: Path) -> list[Path]:
@@ -156,6 +157,15 @@ def add_workload_arguments(ap: argparse.ArgumentParser, modes: tuple[str, ...]) 
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=("cuda", "cpu"), help="device of the eager and peer modes")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="fine-tune LoRA adapters of rank R (peft) on every projection instead of all weights")
+
+
+def check_lora(ap: argparse.ArgumentParser, args) -> str:
+    """Refuses a negative --lora; the result file's suffix for it."""
+    if args.lora < 0:
+        ap.error(f"--lora: expected a rank >= 1 (0: no adapters), got {args.lora}")
+    return f"_lora{args.lora}" if args.lora else ""
 
 
 def parse_args(argv=None):
@@ -168,8 +178,6 @@ def parse_args(argv=None):
                                              "share of the step, which memory.fused_lm_loss computes in chunks")
     ap.add_argument("--prompt-fraction", type=float, default=0.0,
                     help="the first fraction of each sample is a prompt the loss ignores (labels -100)")
-    ap.add_argument("--lora", type=int, default=0, metavar="R",
-                    help="fine-tune LoRA adapters of rank R (peft) on every projection instead of all weights")
     ap.add_argument("--quick", action="store_true", help="tiny Llama, batch 4, rows of 64, 2 steps")
     ap.add_argument("--out", help="result file name without extension (default causal_lm_<cpu|cuda>)")
     ap.add_argument("--results-dir", type=Path, default=_report.RESULTS)
@@ -179,10 +187,8 @@ def parse_args(argv=None):
     args.device = torch.device(args.device or bert_base.default_device())
     if not 0.0 <= args.prompt_fraction < 1.0:
         ap.error(f"--prompt-fraction: expected a fraction in [0, 1), got {args.prompt_fraction}")
-    if args.lora < 0:
-        ap.error(f"--lora: expected a rank >= 1 (0: no adapters), got {args.lora}")
     args.out = args.out or (f"causal_lm_{args.device.type}" + ("" if args.attn == "sdpa" else f"_{args.attn}")
-                            + (f"_lora{args.lora}" if args.lora else ""))
+                            + check_lora(ap, args))
     return args
 
 

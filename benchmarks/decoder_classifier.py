@@ -71,7 +71,8 @@ def parse_args(argv=None):
     if args.quick:
         args.steps, args.warmup, args.batch, args.max_length = 2, 1, 4, 64
     args.device = torch.device(args.device or bert_base.default_device())
-    args.out = args.out or f"decoder_classifier_{args.device.type}" + ("_fixed" if args.fixed else "")
+    args.out = args.out or (f"decoder_classifier_{args.device.type}" + ("_fixed" if args.fixed else "")
+                            + causal_lm.check_lora(ap, args))
     return args
 
 
@@ -97,8 +98,13 @@ def main(argv=None) -> int:
                             peer_cpu_options={"assert_indirect_indexing": False})
     print(f"LlamaForSequenceClassification {'quick (tiny)' if args.quick else 'config'} on {env['device']}: "
           f"{workload.name}; modes {','.join(args.modes)}", flush=True)
-    ctx = bert_base.Context(build_model(config, args.seed), workload, args.device, args.lr)
-    return causal_lm.run_one_workload(ctx, args, env, config, f"Llama classifier {workload.name} on {env['device']}")
+    model = build_model(config, args.seed)
+    if args.lora:
+        model = causal_lm.lora_model(model, args.lora, task="SEQ_CLS")
+    ctx = bert_base.Context(model, workload, args.device, args.lr)
+    lora = f", LoRA r={args.lora}" if args.lora else ""
+    return causal_lm.run_one_workload(ctx, args, env, dict(config, lora=args.lora),
+                                      f"Llama classifier {workload.name}{lora} on {env['device']}")
 
 
 if __name__ == "__main__":
