@@ -46,7 +46,7 @@ def save_model(model: nn.Module, directory, *, max_shard_size: int | str = "50GB
 
     Args:
         model: what accel.accelerate() returned, or any nn.Module: plain, DistributedDataParallel,
-            torch.compile'd, PackedModel or FSDP2.
+            torch.compile'd, PackedModel or FSDP2; a transformers or a PEFT model among them.
         directory: the folder to write into (created if missing; its parent must exist).
         max_shard_size: a transformers model's largest weight file (save_pretrained's argument), e.g. "5GB".
 
