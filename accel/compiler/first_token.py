@@ -13,8 +13,9 @@ dropout draws other random numbers (the same distribution).
 
 The full layer still runs where the difference could be seen: a call asking for hidden states or attentions
 (they show every position of every layer), a call of the encoder outside the model's own forward (e.g.
-`model.bert(...)` directly), masks that cannot be cut to the first query (FlexAttention's BlockMask; only
-"sdpa", accel's "accel_sdpa" and "eager" attention qualify), and decoders or cross-attention.
+`model.bert(...)` directly), attention implementations other than "sdpa", accel's "accel_sdpa", "eager" and
+"flex_attention" (whose BlockMask is rebuilt for the kept queries: their rows of the original mask_mod), and
+cross-attention.
 
 The choice is made per call of the model: a forward pre-hook switches the last layer to one token, and a
 forward hook that runs even when the forward raises switches it back. Apply it after activation checkpointing
@@ -38,6 +39,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from accel.compiler.unpadded_attention import ACCEL_SDPA, SDPA
 from accel.utils.instance_forward import InstanceForward
@@ -60,8 +62,9 @@ LAST_TOKEN_HEADS = frozenset({"LlamaForSequenceClassification", "MistralForSeque
 DECODER_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"})
 # Phi-3's decoder layer: Llama's, with one fused query/key/value projection and a dropout on each residual branch
 _PHI3_LAYER = ("resid_attn_dropout", "resid_mlp_dropout")
-# Attention implementations whose mask is None or a tensor with a query dimension that can be cut.
-_ATTENTION = (SDPA, ACCEL_SDPA, "eager")
+# Attention implementations whose mask is None, a tensor with a query dimension that can be cut, or a BlockMask
+# (rebuilt for the kept queries).
+_ATTENTION = (SDPA, ACCEL_SDPA, "eager", "flex_attention")
 _CACHE_KWARGS = ("cache", "past_key_values")  # the key/value cache's keyword in transformers >= 5.24, and before
 
 
@@ -126,9 +129,11 @@ class _LastLayerForward(InstanceForward):
 
     def _cuttable(self, attention_mask, args, kwargs) -> bool:
         """Whether this call's attention can be computed for some queries alone: self-attention through an
-        implementation that takes a [B, 1|heads, Lq, Lk] mask, and a decoder's rotary positions given."""
+        implementation that takes a [B, 1|heads, Lq, Lk] mask (flex_attention: a BlockMask), and a decoder's rotary
+        positions given."""
         implementation = self.attention.config._attn_implementation
-        if implementation not in _ATTENTION:
+        if implementation not in _ATTENTION or (implementation == "flex_attention"
+                                                and not isinstance(attention_mask, BlockMask)):
             return False
         if self.kind == "decoder":
             # no mask: SDPA's own causal attention (transformers leaves the mask out only for SDPA)
@@ -169,7 +174,7 @@ class _LastLayerForward(InstanceForward):
             key, value = (getattr(attn, name)(inputs).view(batch, length, -1, head).transpose(1, 2)
                           for name in names[1:])
         if attention_mask is not None:
-            attention_mask = attention_mask[:, :, :1] if rows is None else _mask_rows(attention_mask, batch, rows)
+            attention_mask = _mask_rows(attention_mask, batch, rows)
         context, _ = attend(attn, query, key, value, attention_mask, **kwargs)
         context = context.reshape(batch, picked.shape[1], -1).contiguous()
         if self.kind == "bert":
@@ -260,13 +265,33 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _mask_rows(attention_mask: torch.Tensor, batch: int, rows: torch.Tensor) -> torch.Tensor:
-    """[B | 1, 1 | heads, L, Lk] mask -> the rows of the queries kept, [B, 1 | heads, R, Lk]."""
+def _mask_rows(attention_mask, batch: int, rows: torch.Tensor | None):
+    """[B | 1, 1 | heads, L, Lk] mask -> the rows of the queries kept, [B, 1 | heads, R, Lk] (rows [B, R]; None: the
+    first query alone); a BlockMask -> one over those queries, each allowed what its row allowed."""
+    if isinstance(attention_mask, BlockMask):
+        return _block_mask_rows(attention_mask, batch, rows)
+    if rows is None:
+        return attention_mask[:, :, :1]
     if attention_mask.shape[-2] == 1:  # one row for every query already
         return attention_mask
     mask = attention_mask.expand(batch, -1, -1, -1)
     index = rows[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[-1])
     return mask.gather(2, index)
+
+
+def _block_mask_rows(mask: BlockMask, batch: int, rows: torch.Tensor | None) -> BlockMask:
+    """A BlockMask over the kept queries: query r of row b is allowed the keys query rows[b, r] was allowed by
+    `mask` (its mask_mod, called with the original query index)."""
+    if rows is None:
+        rows = torch.zeros(batch, 1, dtype=torch.long, device=mask.kv_indices.device)
+    original = mask.mask_mod
+    heads = mask.shape[1]
+
+    def kept(b, h, q_idx, kv_idx):
+        return original(b, h, rows[b, q_idx], kv_idx)
+
+    return create_block_mask(kept, batch, None if heads == 1 else heads, rows.shape[1], mask.shape[-1],
+                             device=rows.device)
 
 
 def sees_every_position(config, kwargs: dict) -> bool:
@@ -312,7 +337,7 @@ def attend(attn: nn.Module, query, key, value, attention_mask, **kwargs):
 
 
 def _cuttable(mask) -> bool:
-    return mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 4)
+    return mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 4) or isinstance(mask, BlockMask)
 
 
 def _linear(module) -> bool:

@@ -141,17 +141,23 @@ def test_other_models_are_left_alone():
     assert queries == [1]
 
 
-def test_flex_attention_runs_the_full_layer():
-    pytest.importorskip("torch.nn.attention.flex_attention", reason="FlexAttention needs torch >= 2.5")
-    model = _model("BertForSequenceClassification", "flex_attention")
-    first_token_only(model)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_flex_attention_cuts_its_block_mask_to_the_first_query(device):
+    """FlexAttention: the BlockMask is rebuilt over the kept query (its row of the original mask_mod), so the last
+    layer computes one token there too. CPU: forward only (transformers torch.compiles flex_attention, and Inductor
+    has no FlexAttention backward on the CPU, pytorch/pytorch#169224); CUDA: a training step, gradients too."""
+    model = _model("BertForSequenceClassification", "flex_attention").to(device)
+    reference = copy.deepcopy(model)
+    assert first_token_only(model)
     queries = _query_lengths(model)
-    batch = _batch("BertForSequenceClassification")
-    try:
-        model(**batch)
-    except Exception as error:  # transformers or torch without FlexAttention on this device
-        pytest.skip(f"FlexAttention does not run here: {error}")
-    assert queries == [batch["input_ids"].shape[1]]
+    batch = {key: value.to(device) for key, value in _batch("BertForSequenceClassification").items()}
+    if device == "cpu":
+        with torch.no_grad():
+            torch.testing.assert_close(model(**batch).logits, reference(**batch).logits, rtol=1e-5, atol=1e-6)
+    else:
+        _assert_same_step(_step(model, batch), _step(reference, batch), tol=(1e-4, 1e-5), grad_tol=(1e-3, 1e-5))
+    assert queries == [1]
 
 
 def test_compiled_model_matches_and_does_not_break_the_graph():

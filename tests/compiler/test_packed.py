@@ -575,9 +575,9 @@ def test_packed_decoder_classifier_matches_each_sample_alone(family, backend, de
     queries = _decoder_query_lengths(packed)
     with torch.no_grad():
         out = packed(**batch)
-    # Llama's last layer computes each sample's last token alone (not through FlexAttention's BlockMask, whose
-    # query rows cannot be cut); GPT-2's block is not built like LlamaDecoderLayer and runs whole
-    assert queries == ([ds.max_segments] if family == "llama" and backend != FLEX else [ROW])
+    # Llama's last layer computes each sample's last token alone (FlexAttention's BlockMask rebuilt over those
+    # queries); GPT-2's block is not built like LlamaDecoderLayer and runs whole
+    assert queries == ([ds.max_segments] if family == "llama" else [ROW])
     with torch.no_grad():
         for r, s, _, i in _placements(ds):
             torch.testing.assert_close(out["logits"][r, s], _decoder_alone(reference, samples[i], device).logits[0],
@@ -589,9 +589,12 @@ def test_packed_decoder_classifier_matches_each_sample_alone(family, backend, de
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["sdpa", FLEX])
 @pytest.mark.parametrize("family", DECODERS)
-def test_packed_decoder_classifier_gradients_match_each_sample_alone(family, device):
-    packed, reference = _classifier_models(family, "sdpa", device)
+def test_packed_decoder_classifier_gradients_match_each_sample_alone(family, backend, device):
+    if backend == FLEX and device == "cpu":
+        pytest.skip(NO_CPU_FLEX_BACKWARD)
+    packed, reference = _classifier_models(family, backend, device)
     samples = _class_samples(seed=1)
     _, batch = _packed(samples, device)
     packed(**batch)["loss"].backward()
