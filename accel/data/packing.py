@@ -304,16 +304,13 @@ def cu_seqlens_from_seq_lens(seq_lens: torch.Tensor, row_length: int) -> tuple[t
     """
     if seq_lens.dim() != 2:
         raise ValueError(f"seq_lens must be [B, S], got shape {tuple(seq_lens.shape)}")
-    lengths: list[int] = []
-    for row in seq_lens.tolist():
-        real = [n for n in row if n > 0]
-        tail = row_length - sum(real)
-        if tail < 0:
+    real = seq_lens.cpu().clamp(min=0)
+    for row, total in zip(seq_lens.tolist(), real.sum(dim=1).tolist()):
+        if total > row_length:
             raise ValueError(f"seq_lens row {row} sums to more than row_length={row_length}")
-        lengths.extend(real + ([tail] if tail else []))
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
-    return cu, max(lengths)
+    # static_cu_seqlens' offsets without its empty sequences (the repeated offsets)
+    cu = torch.unique_consecutive(static_cu_seqlens(real, row_length))
+    return cu, int(cu.diff().max())
 
 
 def static_cu_seqlens(seq_lens: torch.Tensor, row_length: int) -> torch.Tensor:

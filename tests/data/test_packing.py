@@ -131,13 +131,21 @@ class TestMasks:
         assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 5, 6, 10, 12] and max_len == 4
 
     def test_static_cu_seqlens_has_the_same_offsets_in_a_fixed_shape(self):
-        """The on-device offsets: S + 1 per row whatever the row holds (empty samples repeat an offset), the
-        boundaries cu_seqlens_from_seq_lens gives; no host read, so compiled graphs keep them."""
+        """The on-device offsets: S + 1 per row whatever the row holds (empty samples repeat an offset), at the
+        boundaries of the dataset's own samples and rows; no host read, so compiled graphs keep them."""
         ds = PackedDataset(_samples([5, 3, 7, 2, 8, 1]), 8)
         seq_lens = torch.stack([ds[r]["seq_lens"] for r in range(len(ds))])
         cu = static_cu_seqlens(seq_lens, 8)
         assert cu.dtype == torch.int32 and cu.shape == (len(ds) * (ds.max_segments + 1) + 1,)
-        assert torch.equal(torch.unique_consecutive(cu), cu_seqlens_from_seq_lens(seq_lens, 8)[0])
+        boundaries, start = {0}, 0
+        for row in ds.rows:  # each sample's end, then the row's end
+            end = start
+            for piece in row:
+                end += ds.piece_lengths[piece]
+                boundaries.add(end)
+            start += 8
+            boundaries.add(start)
+        assert torch.unique_consecutive(cu).tolist() == sorted(boundaries)
         # by hand: row 0 holds 3 and 2 (tail 1), row 1 a full row of 6, row 2 nothing
         cu = static_cu_seqlens(torch.tensor([[3, 2], [6, 0], [0, 0]]), 6)
         assert cu.tolist() == [0, 3, 5, 6, 12, 12, 12, 12, 12, 18]
