@@ -116,6 +116,44 @@ def test_packed_lora_classifier_pools_each_sample_and_cuts_the_last_layer():
         torch.testing.assert_close(out.logits[r, s], alone.logits[0], **TOLERANCE)
 
 
+
+def test_packed_lora_distilbert_classifier_runs_the_adapters_copies_of_its_head():
+    """PEFT's SEQ_CLS task trains copies of the head (modules_to_save: ModulesToSaveWrapper, not nn.Linear); with
+    pre_classifier among them too, PackedModel takes DistilBERT's head through the wrappers and their copies are
+    what it runs and trains."""
+    torch.manual_seed(0)
+    base = transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(
+        vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=32, num_labels=3,
+        dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0, attn_implementation="sdpa"))
+    torch.manual_seed(1)
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_lin", "v_lin"], task_type="SEQ_CLS",
+                                                     modules_to_save=["pre_classifier"], init_lora_weights=False))
+    head = lora.get_base_model()
+    assert all(isinstance(getattr(head, n), peft.utils.other.ModulesToSaveWrapper)
+               for n in ("pre_classifier", "classifier"))
+    with torch.no_grad():  # the trained copies differ from the frozen originals, so using either one shows
+        for n in ("pre_classifier", "classifier"):
+            getattr(head, n).modules_to_save["default"].weight.mul_(-2.0)
+    lora.train()
+    reference = copy.deepcopy(lora)
+    packed = PackedModel(lora)
+    samples = [{k: v for k, v in s.items() if k != "token_type_ids"} for s in _samples("sequence", seed=4)]
+    ds, batch = _packed(samples, "cpu")
+    out = packed(**batch)
+    out["loss"].backward()
+    expected = 0.0
+    for r, s, _, i in _placements(ds):
+        alone = reference(input_ids=torch.tensor([samples[i]["input_ids"]]),
+                          labels=torch.tensor([samples[i]["labels"]]))
+        torch.testing.assert_close(out["logits"][r, s], alone.logits[0], **TOLERANCE)
+        expected = expected + alone.loss / len(samples)
+    torch.testing.assert_close(out["loss"], expected, **TOLERANCE)
+    expected.backward()
+    want, got = _trainable_grads(reference), _trainable_grads(lora)
+    assert set(want) == set(got) and any("modules_to_save" in name for name in want)
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, want[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
 def _lm_loader():
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": torch.randint(1, VOCAB, (int(n),), generator=g).tolist()}

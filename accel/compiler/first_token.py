@@ -43,6 +43,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from accel.compiler.unpadded_attention import ACCEL_SDPA, SDPA
 from accel.utils.instance_forward import InstanceForward
+from accel.utils.modules import acts_as_linear
 
 # Heads that read position 0 of the encoder's last layer and nothing else of it (and that return no per-token
 # output): a pooler over hidden_states[:, 0] or a classification head over features[:, 0, :].
@@ -340,17 +341,11 @@ def _cuttable(mask) -> bool:
     return mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 4) or isinstance(mask, BlockMask)
 
 
-def _linear(module) -> bool:
-    """An nn.Linear, or a PEFT adapter layer over one (LoRA's, IA3's: its base_layer), which is called like it: the
-    cut calls the projections, so their adapters apply."""
-    return isinstance(module, nn.Linear) or isinstance(getattr(module, "base_layer", None), nn.Linear)
-
-
 def _bert_layer(layer: nn.Module) -> bool:
     """Whether `layer` is built like BertLayer (self-attention query/key/value, its output, a feed-forward)."""
     attention = getattr(layer, "attention", None)
     attn = getattr(attention, "self", None)
-    return (attn is not None and all(_linear(getattr(attn, n, None)) for n in ("query", "key", "value"))
+    return (attn is not None and all(acts_as_linear(getattr(attn, n, None)) for n in ("query", "key", "value"))
             and hasattr(attn, "attention_head_size") and hasattr(attn, "scaling")
             and isinstance(getattr(attn, "dropout", None), nn.Dropout)
             and not getattr(attention, "is_cross_attention", False) and hasattr(attention, "output")
@@ -368,7 +363,7 @@ def _pre_norm_layer(layer: nn.Module) -> bool:
     return (all(isinstance(getattr(layer, n, None), nn.LayerNorm) for n in ("layernorm_before", "layernorm_after"))
             and isinstance(getattr(layer, "mlp", None), nn.Module)
             and isinstance(getattr(layer, "dropout", None), nn.Dropout)
-            and all(_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            and all(acts_as_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
             and hasattr(attn, "head_dim") and hasattr(attn, "scaling") and hasattr(attn, "config")
             and not getattr(attn, "is_causal", False) and _eager_attention(attn) is not None)
 
@@ -379,7 +374,7 @@ def _post_norm_layer(layer: nn.Module) -> bool:
     attn = getattr(layer, "attention", None)
     return ({name for name, _ in layer.named_children()} == {"attention", "sa_layer_norm", "ffn", "output_layer_norm"}
             and all(isinstance(getattr(layer, n), nn.LayerNorm) for n in ("sa_layer_norm", "output_layer_norm"))
-            and all(_linear(getattr(attn, n, None)) for n in ("q_lin", "k_lin", "v_lin", "out_lin"))
+            and all(acts_as_linear(getattr(attn, n, None)) for n in ("q_lin", "k_lin", "v_lin", "out_lin"))
             and isinstance(getattr(attn, "dropout", None), nn.Dropout)
             and all(hasattr(attn, n) for n in ("attention_head_size", "scaling", "config"))
             and not getattr(attn, "is_causal", False) and _eager_attention(attn) is not None)
@@ -400,7 +395,7 @@ def _decoder_layer(layer: nn.Module) -> bool:
     projections = {"qkv_proj", "o_proj"} if phi3 else {"q_proj", "k_proj", "v_proj", "o_proj"}
     return ({name for name, _ in attn.named_children()} in (projections, projections | {"q_norm", "k_norm"})
             # Phi-3's rows of qkv_proj are sliced out of its weight: an adapter over it would be left out
-            and all(isinstance(getattr(attn, n), nn.Linear) if phi3 else _linear(getattr(attn, n)) for n in projections)
+            and all(isinstance(getattr(attn, n), nn.Linear) if phi3 else acts_as_linear(getattr(attn, n)) for n in projections)
             and all(hasattr(attn, n) for n in ("head_dim", "scaling", "layer_idx", "config")
                     + (("num_key_value_heads",) if phi3 else ()))
             and getattr(attn, "is_causal", False) is True and _eager_attention(attn) is not None

@@ -28,6 +28,7 @@ from accel.compiler.first_token import last_layer_rows, sees_every_position
 from accel.compiler.unpadded_attention import ACCEL_SDPA, CU_SEQLENS, SDPA, SEGMENT_IDS, SEGMENTS_CAUSAL
 from accel.data.packing import LABEL_PAD, block_diagonal_mask, static_cu_seqlens
 from accel.runtime.nn import varlen_attention
+from accel.utils.modules import acts_as_linear
 from accel.utils.transformers_models import CAUSAL_LM_HEADS, transformers_model
 
 FLEX = "flex_attention"
@@ -140,7 +141,7 @@ def _distilbert_head(model: nn.Module) -> bool:
     """Whether the sequence classifier's head is DistilBERT's: no pooler, pre_classifier -> ReLU -> dropout ->
     classifier over the first token."""
     return (getattr(model.base_model, "pooler", None) is None and type(model).__name__.startswith("DistilBert")
-            and all(isinstance(getattr(model, n, None), nn.Linear) for n in ("pre_classifier", "classifier"))
+            and all(acts_as_linear(getattr(model, n, None)) for n in ("pre_classifier", "classifier"))
             and isinstance(getattr(model, "dropout", None), nn.Dropout))
 
 

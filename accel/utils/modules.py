@@ -42,3 +42,12 @@ def is_sharded(model: nn.Module) -> bool:
     tensor = sys.modules.get("torch.distributed.tensor")
     dtensor = getattr(tensor, "DTensor", None)
     return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
+
+
+def acts_as_linear(module) -> bool:
+    """Whether calling `module` is calling an nn.Linear: one, a PEFT adapter layer over one (LoRA's, IA3's: its
+    base_layer, the adapter's update added) or PEFT's ModulesToSaveWrapper of one (a trained copy of a head,
+    modules_to_save: its original_module). Code that calls such a module as a projection (the first-token cut,
+    the packed classifier heads) takes all three; code that reads its weight needs the plain nn.Linear."""
+    return isinstance(module, nn.Linear) or any(
+        isinstance(getattr(module, inner, None), nn.Linear) for inner in ("base_layer", "original_module"))
