@@ -212,8 +212,10 @@ def _apply_kernels(model: nn.Module, kernels: frozenset[str]) -> None:
         hooks.enable_fused_adam()
 
 
-def _compile(model: nn.Module, backend: str, cuda_graphs: bool, n_shapes: int, inductor_options: dict) -> None:
+def _compile(model: nn.Module, backend: str, device: torch.device, cuda_graphs: bool, n_shapes: int,
+             inductor_options: dict) -> None:
     from accel.compiler.decoding import eager_when_decoding
+    from accel.compiler.moved_model import explain_failures_after_a_move
     from accel.utils.dynamo import allow_recompiles
 
     # One graph per static shape (bucket lengths, plus a short last batch of each): keep them all cached.
@@ -224,6 +226,7 @@ def _compile(model: nn.Module, backend: str, cuda_graphs: bool, n_shapes: int, i
     else:
         model.compile(dynamic=False, mode="reduce-overhead" if graphs else None)
     eager_when_decoding(model)  # generate() grows its cache by a token a call: one shape each, uncompiled
+    explain_failures_after_a_move(model, device)  # e.g. moved to the XLA device, where Inductor cannot compile
     if graphs:  # a .grad kept past its step (zero_grad(set_to_none=False), micro-batches) must outlive replays
         from accel.compiler import cudagraph_skips
         from accel.compiler.graph_pool_grads import keep_grads_out_of_graph_pool
@@ -458,7 +461,7 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
             from accel.compiler.cpu_dropout import DrawDropoutMasks
 
             inductor_options.setdefault("joint_custom_pre_pass", DrawDropoutMasks())
-        _compile(model, backend, cuda_graphs, n_shapes, inductor_options)
+        _compile(model, backend, device, cuda_graphs, n_shapes, inductor_options)
     from accel.compiler.optimizer import adopt_optimizers
 
     adopt_optimizers(model, compile_steps=compiled, reduce_gradients=distributed.reduces_gradients_on_step(model),
