@@ -69,8 +69,9 @@ What it does, in order (each step says why it sits where it does):
    Prefetcher reading in the training thread on cpu, whose cores the step's threads use; a loader whose reads
    draw random numbers in the main process, e.g. a masked-LM collator with num_workers=0, is read when the loop
    asks for each batch, so a seed reproduces the run and a checkpoint resumes it exactly); for a compiled model without buckets or packing, a warning when its batches come in
-   more shapes than full and last batches give (accel.compiler.batch_shapes); with compute.recompile_guard, a
-   guard that warns about compilations after the first steps.
+   more shapes than full and last batches give (accel.compiler.batch_shapes; with no loader given, the same
+   warning watches the model's calls); with compute.recompile_guard, a guard that warns about compilations
+   after the first steps.
 
 The model is modified in place where possible (kernels, checkpointing, FSDP2, compile) and returned; its
 state_dict keys stay as they were except under packing (the wrapper holds the model as `.model`) and DDP
@@ -216,10 +217,11 @@ def _compile(model: nn.Module, backend: str, device: torch.device, cuda_graphs: 
              inductor_options: dict) -> None:
     from accel.compiler.decoding import eager_when_decoding
     from accel.compiler.moved_model import explain_failures_after_a_move
-    from accel.utils.dynamo import allow_recompiles
+    from accel.utils.dynamo import make_room_for_recompiles
 
-    # One graph per static shape (bucket lengths, plus a short last batch of each): keep them all cached.
-    allow_recompiles(2 * n_shapes + 2)
+    # One graph per static shape (bucket lengths, plus a short last batch of each): room for them all, on top of
+    # what earlier models took (Dynamo's limit counts their graphs too, dead models' included).
+    make_room_for_recompiles(2 * n_shapes + 2)
     graphs = backend == "cuda" and cuda_graphs
     if inductor_options:  # torch.compile takes a mode or options, not both: "reduce-overhead" is this option
         model.compile(dynamic=False, options={**inductor_options, "triton.cudagraphs": graphs})
@@ -312,6 +314,7 @@ class _Accelerated:
     compiled: bool
     reads_no_mask_as_full: bool
     pad_id: object
+    call_shapes: object = None  # accel.compiler.batch_shapes.CallShapes: the calls watched, no loader given
 
 
 _ACCELERATED = "_accel_accelerated"
@@ -334,11 +337,13 @@ def _another_loader(model: nn.Module, dataloader, config: Config, first: _Accele
                          "pass dataloader.pack=True to the first accelerate() call (the packed model takes ordinary "
                          "batches as well)")
     if first.compiled:  # this loader's shapes get graphs of their own (no_grad and eval mode: other graphs too)
-        from accel.utils.dynamo import allow_recompiles
+        from accel.utils.dynamo import make_room_for_recompiles
 
-        allow_recompiles(2 * (_static_shapes(first.config) + _static_shapes(config)) + 2)
+        make_room_for_recompiles(2 * _static_shapes(config) + 2)
     _pad_with_models_pad_id(config, first.pad_id)
     drop_full_masks = config.dataloader.drop_full_masks and first.reads_no_mask_as_full
+    if first.call_shapes is not None:  # the model's calls now come from a loader: its shapes are the loader's to say
+        first.call_shapes.stop()
     return model, _wrap_loader(dataloader, config, first.backend, first.device, distributed.input_sharding(model),
                                drop_full_masks, first.compiled)
 
@@ -469,8 +474,14 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
                      and config.compute.optimizer_cuda_graphs,
                      graph_steps=backend == "cuda" and config.compute.step_graph)
 
+    call_shapes = None
+    static = config.dataloader.pack or config.dataloader.bucket_lengths()  # warned above: no loader to pad
+    if dataloader is None and (compiled or backend == "xla") and not static:
+        from accel.compiler.batch_shapes import watch_call_shapes
+
+        call_shapes = watch_call_shapes(model)  # no loader to watch: the calls, for shapes that keep changing
     # nn.Module.__setattr__ keeps a plain object as an attribute; a later call finds it (an evaluation loader)
-    setattr(model, _ACCELERATED, _Accelerated(given, backend, device, compiled, no_mask_as_full, pad_id))
+    setattr(model, _ACCELERATED, _Accelerated(given, backend, device, compiled, no_mask_as_full, pad_id, call_shapes))
     if dataloader is None:
         return model
     return model, _wrap_loader(dataloader, config, backend, device, distributed.input_sharding(model),

@@ -545,11 +545,35 @@ def test_a_second_call_makes_room_for_the_evaluation_loaders_graphs():
         config = cpu_config()
         config.dataloader.buckets = [8, 16, 24, 32]
         model, _ = accel.accelerate(tiny_bert(), loader(), config)
-        assert torch._dynamo.config.recompile_limit == 2 * 4 + 2
+        assert torch._dynamo.config.recompile_limit == 8 + 2 * 4 + 2
         eval_config = cpu_config()
         eval_config.dataloader.buckets = [12, 20, 28, 36]
         accel.accelerate(model, loader(), eval_config)
-        assert torch._dynamo.config.recompile_limit == 2 * (4 + 4) + 2
+        assert torch._dynamo.config.recompile_limit == 8 + 2 * (4 + 4) + 2 * 2
+    finally:
+        torch._dynamo.config.recompile_limit = before
+
+
+def test_model_after_model_in_one_process_each_runs_compiled():
+    """A sweep or a test suite accelerates model after model: Dynamo's recompile limit counts the graphs of the
+    models gone before (they share the code objects of their forward), so with a fixed limit the ninth ran
+    uncompiled; each accelerate() now makes room for its own graphs."""
+    import gc
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    before = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 8  # Dynamo's default
+    try:
+        for i in range(10):
+            torch.manual_seed(i)
+            model = accel.accelerate(transformers.BertForMaskedLM(tiny_bert().config), config=cpu_config())
+            compiled = counters["frames"]["ok"]
+            model(input_ids=torch.ones(2, 8, dtype=torch.long))
+            assert counters["frames"]["ok"] > compiled, f"model {i + 1} ran uncompiled"
+            del model
+            gc.collect()
     finally:
         torch._dynamo.config.recompile_limit = before
 

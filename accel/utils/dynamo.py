@@ -13,3 +13,22 @@ def allow_recompiles(n: int) -> None:
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), n))
             return
+
+
+
+def make_room_for_recompiles(n: int) -> None:
+    """Raise each function's recompile limit by `n` graphs (never lower it): room for one more model's graphs.
+
+    Dynamo keeps graphs on the code object it compiles, shared by every model of a class (transformers'
+    forward wrappers: by every model), and a model accelerate() compiles adds entries there that another
+    model's call cannot use (guards on objects of its own). The limit counts them all, the entries of models
+    long gone included: in a process that accelerates model after model (a sweep, cross-validation, a notebook
+    cell run again, a test suite) the ninth model ran uncompiled, with no more than a log line. Each
+    accelerate() adds room for its own graphs instead of setting a fixed limit (allow_recompiles).
+    """
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name) + max(int(n), 0))
+            return

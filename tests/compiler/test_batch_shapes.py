@@ -79,3 +79,78 @@ def test_accelerate_watches_the_loader_of_a_compiled_model(settings, warns):
         list(loader)  # the loader alone: the model need not run (nor compile) for the warning
     many = [w for w in caught if issubclass(w.category, ManyShapesWarning)]
     assert len(many) == (1 if warns else 0)
+
+
+def _tiny_bert():
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
+
+
+def _shape_warnings(caught):
+    return [w for w in caught if issubclass(w.category, ManyShapesWarning)]
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("xla", marks=pytest.mark.skipif(
+    not xla_available(), reason="torch_xla is not installed"))])  # compiled: before the compiled call; xla: a hook
+def test_without_a_loader_the_model_calls_are_watched(backend):
+    """accelerate(model) alone (a loop that keeps its own loader, transformers' Trainer): the third input shape
+    warns once, naming the argument and dimension, at the caller's line; the outputs are the model's."""
+    config = accel.Config(backend=backend)
+    config.compute.compile = backend == "cpu"
+    config.compute.bf16 = False  # fp32, to compare with the plain model
+    model = accel.accelerate(_tiny_bert().eval(), config=config)
+    device = next(model.parameters()).device
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (5, 5, 9, 5, 9):  # two shapes, over and over: what full and last batches give
+            model(input_ids=torch.ones(2, n, dtype=torch.long, device=device))
+        assert not _shape_warnings(caught)
+        for n in (12, 20, 12):
+            logits = model(input_ids=torch.ones(2, n, dtype=torch.long, device=device)).logits
+    many = _shape_warnings(caught)
+    assert len(many) == 1
+    message = str(many[0].message)
+    assert "3 input shapes so far" in message and "input_ids dim 1: 5, 9, 12" in message
+    assert "gave no loader" not in message and "given no loader" in message
+    assert many[0].filename == __file__  # this test's line, not accel's or torch's
+    reference = _tiny_bert().eval().to(device)
+    reference.load_state_dict(accel.unwrap_model(model).state_dict())
+    torch.testing.assert_close(logits, reference(input_ids=torch.ones(2, 12, dtype=torch.long, device=device)).logits,
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_calls_are_not_watched_once_a_loader_is_given_or_when_uncompiled():
+    # static shapes from a later call's bucketed loader: three buckets are three shapes, not a warning
+    config = accel.Config(backend="cpu")
+    model = accel.accelerate(_tiny_bert(), config=config)
+    config.dataloader.buckets = [8, 16, 32]
+    _, loader = accel.accelerate(model, _padded([3, 5, 12, 10, 30, 20]), config)  # 3 buckets; ids < 40
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in loader:
+            model(**batch)
+    assert not _shape_warnings(caught)
+    # eager: shapes cost nothing, nothing to say
+    config = accel.Config(backend="cpu")
+    config.compute.compile = False
+    model = accel.accelerate(_tiny_bert(), config=config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (3, 4, 5, 6):
+            model(input_ids=torch.ones(1, n, dtype=torch.long))
+    assert not _shape_warnings(caught)
+
+
+def test_generate_calls_are_not_counted():
+    """transformers' generate() grows the key/value cache by a token a call (run uncompiled,
+    accel.compiler.decoding): those calls say nothing about the training shapes."""
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=40, n_embd=16, n_layer=1, n_head=2,
+                                                               n_positions=64))
+    model = accel.accelerate(gpt2, config=accel.Config(backend="cpu"))
+    model.eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert not _shape_warnings(caught)

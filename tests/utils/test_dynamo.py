@@ -1,9 +1,10 @@
-"""allow_recompiles: the limit rises to n, never falls, and past the old limit calls stay compiled."""
+"""allow_recompiles: the limit rises to n, never falls, and past the old limit calls stay compiled;
+make_room_for_recompiles adds to it."""
 import pytest
 import torch
 import torch._dynamo
 
-from accel.utils.dynamo import allow_recompiles
+from accel.utils.dynamo import allow_recompiles, make_room_for_recompiles
 
 NAME = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
@@ -22,6 +23,15 @@ def test_raises_and_never_lowers(limit):
     assert getattr(torch._dynamo.config, NAME) == 20
     allow_recompiles(3)
     assert getattr(torch._dynamo.config, NAME) == 20
+
+
+def test_room_is_added_on_top(limit):
+    setattr(torch._dynamo.config, NAME, 8)
+    make_room_for_recompiles(4)
+    make_room_for_recompiles(4)
+    assert getattr(torch._dynamo.config, NAME) == 16
+    make_room_for_recompiles(-3)  # never lowers
+    assert getattr(torch._dynamo.config, NAME) == 16
 
 
 def _scaled(k):
