@@ -12,9 +12,9 @@ distinct set of batch shapes arrives (full batches and a shorter last one are tw
 changed. Reading shapes costs no device access (torch.Size is host metadata).
 
 A model accelerate()d without its loader (a loop that keeps its own, transformers' Trainer) is watched at its
-calls instead (`watch_call_shapes`, a forward pre-hook, removed once it has warned or when a later accelerate()
-call wraps a loader): the same warning, whose fix there is to give accelerate() the loader, or to pad to a few
-lengths in the collate function (DataCollatorWithPadding's pad_to_multiple_of, padding="max_length"). A 4-layer
+calls instead (`watch_call_shapes`: in front of its compiled call; quiet once it has warned, or when a later
+accelerate() call wraps a loader): the same warning, whose fix there is to give accelerate() the loader, or to pad
+to a few lengths in the collate function (DataCollatorWithPadding's pad_to_multiple_of, padding="max_length"). A 4-layer
 BERT (hidden 256) called on 40 batches of 29 lengths, bf16, 2-core CPU: 167 s compiling against 2.1 s eager.
 """
 from __future__ import annotations
@@ -93,13 +93,13 @@ class _Shapes:
 
     def __init__(self):
         self.seen: dict = {}  # distinct shape sets, in arrival order
-        self.warned = False
+        self.done = False  # warned, or told to stop
 
     def too_many(self, shapes: tuple) -> str | None:
         self.seen.setdefault(shapes, None)
         if len(self.seen) <= EXPECTED_SHAPES:
             return None
-        self.warned = True
+        self.done = True
         return "; ".join(_changing(list(self.seen))) or "the set of inputs"
 
 
@@ -117,7 +117,7 @@ class ShapeWatch(LoaderWrapper):
 
     def __iter__(self):
         for batch in self.loader:
-            changing = None if self._shapes.warned else self._shapes.too_many(_shapes(batch))
+            changing = None if self._shapes.done else self._shapes.too_many(_shapes(batch))
             if changing:
                 warnings.warn(
                     f"accelerate(): the loader's batches came in {len(self._shapes.seen)} shapes so far ({changing}) "
@@ -134,10 +134,10 @@ class CallShapes:
         self._shapes = _Shapes()
 
     def stop(self) -> None:
-        self._shapes.warned = True
+        self._shapes.done = True
 
     def see(self, args: tuple, kwargs: dict) -> None:
-        if self._shapes.warned:
+        if self._shapes.done:
             return
         shapes = _call_shapes(args, kwargs)
         # generate()'s calls grow the key/value cache by a token each and run uncompiled (accel.compiler.decoding)

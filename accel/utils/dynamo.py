@@ -2,18 +2,23 @@
 from __future__ import annotations
 
 
-def allow_recompiles(n: int) -> None:
-    """Let each function (each code object: closures of one lambda share it) keep at least `n` compiled
-    graphs. Past Dynamo's limit (8 by default) a call runs eagerly without a word: a benchmark that
-    compiles one code object for several sizes, dtypes or closures then times eager code for some of them.
-    Never lowers a limit the user set; `recompile_limit` on torch >= 2.6, `cache_size_limit` before."""
+def _raise_limit(to) -> None:
+    """Set the limit to to(current): `recompile_limit` on torch >= 2.6, `cache_size_limit` before."""
     import torch._dynamo
 
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), n))
+            current = getattr(torch._dynamo.config, name)
+            setattr(torch._dynamo.config, name, max(current, to(current)))
             return
 
+
+def allow_recompiles(n: int) -> None:
+    """Let each function (each code object: closures of one lambda share it) keep at least `n` compiled
+    graphs. Past Dynamo's limit (8 by default) a call runs eagerly without a word: a benchmark that
+    compiles one code object for several sizes, dtypes or closures then times eager code for some of them.
+    Never lowers a limit the user set."""
+    _raise_limit(lambda current: n)
 
 
 def make_room_for_recompiles(n: int) -> None:
@@ -26,9 +31,4 @@ def make_room_for_recompiles(n: int) -> None:
     cell run again, a test suite) the ninth model ran uncompiled, with no more than a log line. Each
     accelerate() adds room for its own graphs instead of setting a fixed limit (allow_recompiles).
     """
-    import torch._dynamo
-
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name) + max(int(n), 0))
-            return
+    _raise_limit(lambda current: current + int(n))

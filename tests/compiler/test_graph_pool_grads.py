@@ -96,5 +96,6 @@ def test_accelerate_puts_the_check_where_cuda_graphs_replay(backend, cuda_graphs
     from accel.accelerate import _compile
 
     model = nn.Linear(2, 2)
-    _compile(model, backend, cuda_graphs, n_shapes=1, inductor_options={})  # compile() is lazy: nothing runs on a device here
+    # compile() is lazy: nothing runs on a device here
+    _compile(model, backend, torch.device(backend), cuda_graphs, n_shapes=1, inductor_options={})
     assert has_graph_pool_grad_check(model) is checked
