@@ -49,7 +49,7 @@ def explain_failures_after_a_move(model: nn.Module, device: torch.device) -> Non
             raise RuntimeError(
                 f"model: accelerate() placed this model on {device} and compiled it for {device.type}, and it was "
                 f"moved to {now} afterwards (transformers' Trainer, for one, moves models to the XLA device when "
-                f"torch_xla is installed); its compiled call failed there ({type(error).__name__}: {first_line}). Either "
+                f"torch_xla is installed, unless USE_TORCH_XLA=0 is in its environment); its compiled call failed there ({type(error).__name__}: {first_line}). Either "
                 f"keep the model on {device}, or move it first and then call accel.accelerate() with {backend}, "
                 "which places and prepares it for that device") from error
 

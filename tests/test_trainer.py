@@ -1,0 +1,72 @@
+"""transformers' Trainer with a model accel.accelerate() returned: it trains as the plain model does and
+save_model writes what from_pretrained loads. Run in a subprocess with USE_TORCH_XLA=0, which transformers reads
+at import: where torch_xla is installed, Trainer otherwise moves every model to the XLA device (the case
+accel.compiler.moved_model explains)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="the Trainer is transformers'")
+pytest.importorskip("accelerate", reason="transformers' Trainer needs HF accelerate (a dependency of peft)")
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPT = r'''
+import json, sys, warnings
+import torch, transformers, accel
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+out = sys.argv[1]
+config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                    max_position_embeddings=32, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+g = torch.Generator().manual_seed(0)
+data = [{"input_ids": torch.randint(1, 100, (16,), generator=g), "labels": int(i % 2)} for i in range(24)]
+
+def train(accelerated):
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config)
+    if accelerated:
+        settings = accel.Config(backend="cpu")
+        settings.compute.bf16 = False  # fp32 on both sides, to compare weights
+        model = accel.accelerate(model, config=settings)
+    args = TrainingArguments(output_dir=out + ("/accel" if accelerated else "/plain"), max_steps=4,
+                             per_device_train_batch_size=4, use_cpu=True, report_to=[], save_strategy="no",
+                             logging_strategy="no", disable_tqdm=True, seed=0, learning_rate=1e-3)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    if accelerated:
+        trainer.save_model(out + "/saved")
+    device = str(next(model.parameters()).device)
+    shapes = [str(w.message) for w in caught if type(w.message).__name__ == "ManyShapesWarning"]
+    return accel.unwrap_model(model).state_dict(), device, shapes
+
+torch.manual_seed(0)
+initial = BertForSequenceClassification(config).state_dict()
+plain, _, _ = train(False)
+ours, device, shape_warnings = train(True)
+loaded = BertForSequenceClassification.from_pretrained(out + "/saved").state_dict()
+json.dump({"device": device, "shape_warnings": shape_warnings,
+           "max_diff": max((plain[k] - ours[k]).abs().max().item() for k in plain),
+           "trained": max((plain[k] - initial[k]).abs().max().item() for k in plain),
+           "saved_diff": max((loaded[k] - ours[k]).abs().max().item() for k in loaded),
+           "keys_equal": sorted(loaded) == sorted(ours)}, open(out + "/result.json", "w"))
+'''
+
+
+def test_trainer_trains_an_accelerated_model_as_the_plain_one(tmp_path):
+    env = dict(os.environ, USE_TORCH_XLA="0", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["device"] == "cpu"  # left where accelerate() put it
+    assert result["shape_warnings"] == []  # one batch shape: nothing to say
+    assert result["trained"] > 1e-3  # the weights did train...
+    assert result["max_diff"] < 1e-4  # ...as the plain model's did (compiled fp32 against eager fp32)
+    assert result["keys_equal"] and result["saved_diff"] == 0.0  # save_model wrote the trained weights
