@@ -214,7 +214,9 @@ def _apply_kernels(model: nn.Module, kernels: frozenset[str]) -> None:
 
 
 def _compile(model: nn.Module, backend: str, device: torch.device, cuda_graphs: bool, n_shapes: int,
-             inductor_options: dict) -> None:
+             inductor_options: dict, watch_shapes: bool = False):
+    """Compile `model` in place; returns the watch of its call shapes (watch_shapes), else None."""
+    from accel.compiler.batch_shapes import watch_call_shapes
     from accel.compiler.decoding import eager_when_decoding
     from accel.compiler.moved_model import explain_failures_after_a_move
     from accel.utils.dynamo import make_room_for_recompiles
@@ -229,12 +231,15 @@ def _compile(model: nn.Module, backend: str, device: torch.device, cuda_graphs: 
         model.compile(dynamic=False, mode="reduce-overhead" if graphs else None)
     eager_when_decoding(model)  # generate() grows its cache by a token a call: one shape each, uncompiled
     explain_failures_after_a_move(model, device)  # e.g. moved to the XLA device, where Inductor cannot compile
+    # no loader to watch: the calls, for shapes that keep changing
+    call_shapes = watch_call_shapes(model) if watch_shapes else None
     if graphs:  # a .grad kept past its step (zero_grad(set_to_none=False), micro-batches) must outlive replays
         from accel.compiler import cudagraph_skips
         from accel.compiler.graph_pool_grads import keep_grads_out_of_graph_pool
 
-        keep_grads_out_of_graph_pool(model)
+        keep_grads_out_of_graph_pool(model)  # outermost: first in the call
         cudagraph_skips.watch()  # Inductor falling back to a launch per kernel says so only in a log that is off
+    return call_shapes
 
 
 def _models_pad_id(model: nn.Module):
@@ -451,6 +456,9 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         # rule for autocast); elsewhere the cache saves a cast per use of a weight
         _AutocastForward(model, device.type, dtype, cache_casts=not config.compute.step_graph).install()
     model = distributed.wrap_model(model, backend, device, config.dist, dtype)
+    # no loader given, none asked to make shapes static (that warned above): the model's calls are watched
+    watch_shapes = dataloader is None and not (config.dataloader.pack or config.dataloader.bucket_lengths())
+    call_shapes = None
     if compiled:
         n_shapes = _static_shapes(config)
         # a whole-step graph (compute.step_graph) cannot hold the model's own graph replays
@@ -466,7 +474,11 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
             from accel.compiler.cpu_dropout import DrawDropoutMasks
 
             inductor_options.setdefault("joint_custom_pre_pass", DrawDropoutMasks())
-        _compile(model, backend, device, cuda_graphs, n_shapes, inductor_options)
+        call_shapes = _compile(model, backend, device, cuda_graphs, n_shapes, inductor_options, watch_shapes)
+    elif watch_shapes and backend == "xla":  # XLA compiles a graph per shape by nature
+        from accel.compiler.batch_shapes import watch_call_shapes
+
+        call_shapes = watch_call_shapes(model)
     from accel.compiler.optimizer import adopt_optimizers
 
     adopt_optimizers(model, compile_steps=compiled, reduce_gradients=distributed.reduces_gradients_on_step(model),
@@ -474,12 +486,6 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
                      and config.compute.optimizer_cuda_graphs,
                      graph_steps=backend == "cuda" and config.compute.step_graph)
 
-    call_shapes = None
-    static = config.dataloader.pack or config.dataloader.bucket_lengths()  # warned above: no loader to pad
-    if dataloader is None and (compiled or backend == "xla") and not static:
-        from accel.compiler.batch_shapes import watch_call_shapes
-
-        call_shapes = watch_call_shapes(model)  # no loader to watch: the calls, for shapes that keep changing
     # nn.Module.__setattr__ keeps a plain object as an attribute; a later call finds it (an evaluation loader)
     setattr(model, _ACCELERATED, _Accelerated(given, backend, device, compiled, no_mask_as_full, pad_id, call_shapes))
     if dataloader is None:

@@ -13,9 +13,10 @@ changed. Reading shapes costs no device access (torch.Size is host metadata).
 
 A model accelerate()d without its loader (a loop that keeps its own, transformers' Trainer) is watched at its
 calls instead (`watch_call_shapes`: in front of its compiled call; quiet once it has warned, or when a later
-accelerate() call wraps a loader): the same warning, whose fix there is to give accelerate() the loader, or to pad
-to a few lengths in the collate function (DataCollatorWithPadding's pad_to_multiple_of, padding="max_length"). A 4-layer
-BERT (hidden 256) called on 40 batches of 29 lengths, bf16, 2-core CPU: 167 s compiling against 2.1 s eager.
+accelerate() call wraps a loader): the same warning, whose fix there is to give accelerate() the loader, or to
+pad to a few lengths in the collate function (DataCollatorWithPadding's pad_to_multiple_of, padding="max_length").
+A 4-layer BERT (hidden 256) called on 40 batches of 29 lengths, bf16, 2-core CPU: 167 s compiling against 2.1 s
+eager.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import warnings
 import torch
 from torch import nn
 
+from accel.compiler.compiled_call import wrap_compiled_call
 from accel.compiler.decoding import carries_kv_cache
 from accel.compiler.recompile_guard import flatten_inputs
 from accel.utils.loader import LoaderWrapper
@@ -156,17 +158,19 @@ class CallShapes:
 def watch_call_shapes(model: nn.Module) -> CallShapes:
     """Warn once (ManyShapesWarning) when `model` has been called with more than EXPECTED_SHAPES distinct sets of
     tensor shapes (its positional and keyword arguments). A model compiled with `model.compile()` is watched in
-    front of its compiled call (a forward hook would run inside the compiled code, traced by Dynamo); another
-    (XLA's lazy tensors compile by themselves) by a forward pre-hook."""
+    front of its compiled call (accel.compiler.compiled_call), another (XLA's lazy tensors compile by themselves)
+    by a forward pre-hook."""
     watch = CallShapes()
-    compiled = model._compiled_call_impl
-    if compiled is None:
+    if getattr(model, "_compiled_call_impl", None) is None:
         model.register_forward_pre_hook(lambda module, args, kwargs: watch.see(args, kwargs), with_kwargs=True)
         return watch
 
-    def call(*args, **kwargs):
-        watch.see(args, kwargs)
-        return compiled(*args, **kwargs)
+    def wrap(compiled):
+        def call(*args, **kwargs):
+            watch.see(args, kwargs)
+            return compiled(*args, **kwargs)
 
-    model._compiled_call_impl = call
+        return call
+
+    wrap_compiled_call(model, wrap)
     return watch

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from accel.compiler.compiled_call import wrap_compiled_call
 from accel.utils.transformers_models import kv_cache_types
 
 
@@ -33,16 +34,12 @@ def eager_when_decoding(model: nn.Module) -> None:
     Raises:
         ValueError: the model was not compiled with `model.compile()`.
     """
-    compiled = model._compiled_call_impl
-    if compiled is None:
-        raise ValueError(f"model: expected a module compiled with .compile(), got an uncompiled "
-                         f"{type(model).__name__}")
+    def wrap(compiled):
+        def call(*args, **kwargs):
+            if carries_kv_cache(args, kwargs):
+                return model._call_impl(*args, **kwargs)
+            return compiled(*args, **kwargs)
 
-    # nn.Module drops _compiled_call_impl when pickled or copied, so a copy is plainly uncompiled, not bound
-    # to this model through the closure.
-    def call(*args, **kwargs):
-        if carries_kv_cache(args, kwargs):
-            return model._call_impl(*args, **kwargs)
-        return compiled(*args, **kwargs)
+        return call
 
-    model._compiled_call_impl = call
+    wrap_compiled_call(model, wrap)

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from accel.compiler.compiled_call import wrap_compiled_call
+
 _grad_of = operator.attrgetter("grad")
 
 
@@ -69,13 +71,10 @@ def keep_grads_out_of_graph_pool(model: nn.Module) -> None:
     Raises:
         ValueError: `model` was not compiled with `nn.Module.compile()`.
     """
-    compiled = getattr(model, "_compiled_call_impl", None)
-    if compiled is None:
-        raise ValueError("model: expected a module compiled with model.compile(), got one that is not compiled")
-    if isinstance(compiled, _GradsOutOfGraphPool):
+    if has_graph_pool_grad_check(model):
         return
     # every parameter, frozen ones too: one unfrozen later is covered, and one without .grad costs a read
-    model._compiled_call_impl = _GradsOutOfGraphPool(list(model.parameters()), compiled)
+    wrap_compiled_call(model, lambda compiled: _GradsOutOfGraphPool(list(model.parameters()), compiled))
 
 
 def has_graph_pool_grad_check(model: nn.Module) -> bool:

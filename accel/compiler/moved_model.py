@@ -15,6 +15,8 @@ import itertools
 import torch
 from torch import nn
 
+from accel.compiler.compiled_call import wrap_compiled_call
+
 
 def _device_of(model: nn.Module) -> torch.device | None:
     tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
@@ -32,25 +34,26 @@ def explain_failures_after_a_move(model: nn.Module, device: torch.device) -> Non
     Raises:
         ValueError: the model was not compiled with `model.compile()`.
     """
-    compiled = model._compiled_call_impl
-    if compiled is None:
-        raise ValueError(f"model: expected a module compiled with .compile(), got an uncompiled "
-                         f"{type(model).__name__}")
+    def wrap(compiled):
+        def call(*args, **kwargs):
+            try:
+                return compiled(*args, **kwargs)
+            except Exception as error:
+                now = _device_of(model)
+                if now is None or now.type == device.type:
+                    raise
+                raise RuntimeError(_explanation(device, now, error)) from error
 
-    def call(*args, **kwargs):
-        try:
-            return compiled(*args, **kwargs)
-        except Exception as error:
-            now = _device_of(model)
-            if now is None or now.type == device.type:
-                raise
-            first_line = (str(error).strip().splitlines() or [""])[0][:200]  # the whole error stays chained
-            backend = f"config.backend='{now.type}'" if now.type in ("cpu", "cuda", "xla") else "its backend"
-            raise RuntimeError(
-                f"model: accelerate() placed this model on {device} and compiled it for {device.type}, and it was "
-                f"moved to {now} afterwards (transformers' Trainer, for one, moves models to the XLA device when "
-                f"torch_xla is installed, unless USE_TORCH_XLA=0 is in its environment); its compiled call failed there ({type(error).__name__}: {first_line}). Either "
-                f"keep the model on {device}, or move it first and then call accel.accelerate() with {backend}, "
-                "which places and prepares it for that device") from error
+        return call
 
-    model._compiled_call_impl = call
+    wrap_compiled_call(model, wrap)
+
+
+def _explanation(device: torch.device, now: torch.device, error: Exception) -> str:
+    first_line = (str(error).strip().splitlines() or [""])[0][:200]  # the whole error stays chained
+    backend = f"config.backend='{now.type}'" if now.type in ("cpu", "cuda", "xla") else "its backend"
+    return (f"model: accelerate() placed this model on {device} and compiled it for {device.type}, and it was moved "
+            f"to {now} afterwards (transformers' Trainer, for one, moves models to the XLA device when torch_xla is "
+            f"installed, unless USE_TORCH_XLA=0 is in its environment); its compiled call failed there "
+            f"({type(error).__name__}: {first_line}). Either keep the model on {device}, or move it first and then "
+            f"call accel.accelerate() with {backend}, which places and prepares it for that device")
