@@ -214,11 +214,13 @@ def _apply_kernels(model: nn.Module, kernels: frozenset[str]) -> None:
 
 
 def _compile(model: nn.Module, backend: str, device: torch.device, cuda_graphs: bool, n_shapes: int,
-             inductor_options: dict, watch_shapes: bool = False):
-    """Compile `model` in place; returns the watch of its call shapes (watch_shapes), else None."""
+             inductor_options: dict, watch_shapes: bool = False, hf: nn.Module | None = None):
+    """Compile `model` in place (`hf`: the transformers model inside it, if any); returns the watch of its call
+    shapes (watch_shapes), else None."""
     from accel.compiler.batch_shapes import watch_call_shapes
     from accel.compiler.decoding import eager_when_decoding
     from accel.compiler.moved_model import explain_failures_after_a_move
+    from accel.compiler.problem_type import settle_problem_type
     from accel.utils.dynamo import make_room_for_recompiles
 
     # One graph per static shape (bucket lengths, plus a short last batch of each): room for them all, on top of
@@ -231,6 +233,8 @@ def _compile(model: nn.Module, backend: str, device: torch.device, cuda_graphs: 
         model.compile(dynamic=False, mode="reduce-overhead" if graphs else None)
     eager_when_decoding(model)  # generate() grows its cache by a token a call: one shape each, uncompiled
     explain_failures_after_a_move(model, device)  # e.g. moved to the XLA device, where Inductor cannot compile
+    if hf is not None:  # a classifier's first call writes config.problem_type: done before it, no second compile
+        settle_problem_type(model, hf)
     # no loader to watch: the calls, for shapes that keep changing
     call_shapes = watch_call_shapes(model) if watch_shapes else None
     if graphs:  # a .grad kept past its step (zero_grad(set_to_none=False), micro-batches) must outlive replays
@@ -474,7 +478,7 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
             from accel.compiler.cpu_dropout import DrawDropoutMasks
 
             inductor_options.setdefault("joint_custom_pre_pass", DrawDropoutMasks())
-        call_shapes = _compile(model, backend, device, cuda_graphs, n_shapes, inductor_options, watch_shapes)
+        call_shapes = _compile(model, backend, device, cuda_graphs, n_shapes, inductor_options, watch_shapes, hf)
     elif watch_shapes and backend == "xla":  # XLA compiles a graph per shape by nature
         from accel.compiler.batch_shapes import watch_call_shapes
 
