@@ -95,7 +95,7 @@ class _Shapes:
 
     def __init__(self):
         self.seen: dict = {}  # distinct shape sets, in arrival order
-        self.done = False  # warned, or told to stop
+        self.done = False  # warned
 
     def too_many(self, shapes: tuple) -> str | None:
         self.seen.setdefault(shapes, None)
@@ -130,25 +130,31 @@ class ShapeWatch(LoaderWrapper):
 
 
 class CallShapes:
-    """What watch_call_shapes installs; `stop()` ends the watch (a loader now watched instead)."""
+    """What watch_call_shapes installs; `stop()` ends the watch (a loader now watched instead). Shapes are counted
+    per mode of the call (training or not, gradients or not): an evaluation loop's full and last batches are
+    graphs of their own beside training's, not changing shapes of one loop."""
 
-    def __init__(self):
-        self._shapes = _Shapes()
+    def __init__(self, model: nn.Module):
+        self._model = model
+        self._by_mode: dict = {}  # (training, grad enabled) -> _Shapes
+        self._done = False
 
     def stop(self) -> None:
-        self._shapes.done = True
+        self._done = True
 
     def see(self, args: tuple, kwargs: dict) -> None:
-        if self._shapes.done:
+        if self._done:
             return
+        mode = self._by_mode.setdefault((self._model.training, torch.is_grad_enabled()), _Shapes())
         shapes = _call_shapes(args, kwargs)
         # generate()'s calls grow the key/value cache by a token each and run uncompiled (accel.compiler.decoding)
-        if shapes in self._shapes.seen or carries_kv_cache(args, kwargs):
+        if shapes in mode.seen or carries_kv_cache(args, kwargs):
             return
-        changing = self._shapes.too_many(shapes)
+        changing = mode.too_many(shapes)
         if changing:
+            self._done = True
             warnings.warn(
-                f"accelerate(): the model's calls came in {len(self._shapes.seen)} input shapes so far ({changing}) "
+                f"accelerate(): the model's calls came in {len(mode.seen)} input shapes so far ({changing}) "
                 f"{_RECOMPILES} accelerate() was given no loader to make them static: give it the DataLoader "
                 "(then dataloader.buckets or dataloader.pack), or pad in the collate function to a few lengths "
                 "(DataCollatorWithPadding's pad_to_multiple_of, or padding='max_length')", ManyShapesWarning,
@@ -157,10 +163,11 @@ class CallShapes:
 
 def watch_call_shapes(model: nn.Module) -> CallShapes:
     """Warn once (ManyShapesWarning) when `model` has been called with more than EXPECTED_SHAPES distinct sets of
-    tensor shapes (its positional and keyword arguments). A model compiled with `model.compile()` is watched in
+    tensor shapes (its positional and keyword arguments) in one mode (training or evaluation, with or without
+    gradients). A model compiled with `model.compile()` is watched in
     front of its compiled call (accel.compiler.compiled_call), another (XLA's lazy tensors compile by themselves)
     by a forward pre-hook."""
-    watch = CallShapes()
+    watch = CallShapes(model)
     if getattr(model, "_compiled_call_impl", None) is None:
         model.register_forward_pre_hook(lambda module, args, kwargs: watch.see(args, kwargs), with_kwargs=True)
         return watch

@@ -120,6 +120,28 @@ def test_without_a_loader_the_model_calls_are_watched(backend):
                                rtol=1e-4, atol=1e-5)
 
 
+def test_evaluation_calls_count_apart_from_training_ones():
+    """transformers' Trainer evaluating between training steps: training's full and last batches and evaluation's
+    (eval mode, no gradients) are graphs of their own, each loop two shapes: nothing to say. A third training
+    shape still warns."""
+    model = accel.accelerate(_tiny_bert(), config=accel.Config(backend="cpu"))
+    ids = lambda b, n: torch.ones(b, n, dtype=torch.long)  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.train()
+            model(input_ids=ids(4, 8))
+            model(input_ids=ids(3, 8))  # training's last batch
+            model.eval()
+            with torch.no_grad():
+                model(input_ids=ids(4, 8))
+                model(input_ids=ids(1, 8))  # evaluation's last batch
+        assert not _shape_warnings(caught)
+        model.train()
+        model(input_ids=ids(4, 9))
+    assert len(_shape_warnings(caught)) == 1
+
+
 def test_calls_are_not_watched_once_a_loader_is_given_or_when_uncompiled():
     # static shapes from a later call's bucketed loader: three buckets are three shapes, not a warning
     config = accel.Config(backend="cpu")
