@@ -145,7 +145,8 @@ class CallShapes:
     def see(self, args: tuple, kwargs: dict) -> None:
         if self._done:
             return
-        mode = self._by_mode.setdefault((self._model.training, torch.is_grad_enabled()), _Shapes())
+        key = (self._model.training, torch.is_grad_enabled())
+        mode = self._by_mode.get(key) or self._by_mode.setdefault(key, _Shapes())  # a new record once a mode
         shapes = _call_shapes(args, kwargs)
         # generate()'s calls grow the key/value cache by a token each and run uncompiled (accel.compiler.decoding)
         if shapes in mode.seen or carries_kv_cache(args, kwargs):
