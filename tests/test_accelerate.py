@@ -392,6 +392,7 @@ def test_fuse_qkv_projects_with_one_gemm_and_trains_the_same(compile):
     """compute.fuse_qkv (off by default; accel.compiler.fused_qkv): every self-attention's forward is the fused
     one, alone or with the first-token last layer, and losses and weights follow the plain model's."""
     from accel.compiler.fused_qkv import _FusedQKVForward
+    from accel.utils.instance_forward import installed_forward
 
     torch._dynamo.reset()
     for on in (False, True):
@@ -399,7 +400,7 @@ def test_fuse_qkv_projects_with_one_gemm_and_trains_the_same(compile):
         model = accel.accelerate(model, config=cpu_config(compile=compile, fuse_qkv=on))
         inner = model._orig_mod if hasattr(model, "_orig_mod") else model
         attentions = [layer.attention.self for layer in inner.bert.encoder.layer]
-        assert [isinstance(a.__dict__.get("forward"), _FusedQKVForward) for a in attentions] == [on] * 3
+        assert [isinstance(installed_forward(a), _FusedQKVForward) for a in attentions] == [on] * 3
         opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
         for lengths in ([6, 4], [5, 5]):
             batch = pad_to_longest(samples(lengths))
@@ -568,7 +569,9 @@ def test_model_after_model_in_one_process_each_runs_compiled():
     try:
         for i in range(10):
             torch.manual_seed(i)
-            model = accel.accelerate(transformers.BertForMaskedLM(tiny_bert().config), config=cpu_config())
+            cfg = tiny_bert().config
+            cfg.vocab_size = VOCAB + i  # a graph of its own (a model built alike runs the graphs of the one before)
+            model = accel.accelerate(transformers.BertForMaskedLM(cfg), config=cpu_config())
             compiled = counters["frames"]["ok"]
             model(input_ids=torch.ones(2, 8, dtype=torch.long))
             assert counters["frames"]["ok"] > compiled, f"model {i + 1} ran uncompiled"
@@ -576,6 +579,33 @@ def test_model_after_model_in_one_process_each_runs_compiled():
             gc.collect()
     finally:
         torch._dynamo.config.recompile_limit = before
+
+
+@pytest.mark.parametrize("compute", [{}, {"bf16": False}], ids=["default", "fp32"])
+def test_a_model_built_like_one_before_runs_its_graphs_with_its_own_weights(compute):
+    """A sweep, cross-validation or a notebook cell run again accelerates a model built like the one before: its
+    calls run the graphs compiled for the first (Dynamo forbidden to compile), computing with its own weights.
+    Each accelerate() used to compile anew (accel's graph passes and instance forwards made every model's
+    compiled call differ: 15 s a BERT-base on this CPU)."""
+    torch._dynamo.reset()
+    batch = {"input_ids": torch.randint(1, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0)),
+             "labels": torch.tensor([0, 1, 1, 0])}
+    first = accel.accelerate(tiny_bert(seed=0), config=cpu_config(**compute))
+    first(**batch).loss.backward()
+    second = accel.accelerate(tiny_bert(seed=1), config=cpu_config(**compute))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        out = second(**batch)
+        out.loss.backward()
+        # the graph the first model compiled, run on the second's weights: not on its own
+        first_logits = first(**batch).logits
+    eager = accel.accelerate(tiny_bert(seed=1), config=cpu_config(compile=False, **compute))
+    expected = eager(**batch)
+    expected.loss.backward()
+    tol = {"rtol": 1e-4, "atol": 1e-5} if compute else {"rtol": 2e-2, "atol": 1e-3}  # default: bf16 where native
+    torch.testing.assert_close(out.logits, expected.logits, **tol)
+    assert (first_logits - out.logits).abs().max() > 0.01  # logits of about 0.02
+    for (name, p), q in zip(second.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **tol, msg=name)
 
 
 @pytest.mark.filterwarnings("ignore:dataloader.pack. the loader's collate_fn")  # packing replaces pad_to_longest

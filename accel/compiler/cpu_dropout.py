@@ -21,8 +21,9 @@ hand takes it the same way:
 from __future__ import annotations
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import get_hash_for_files
 
+from accel.compiler.graph_pass import GraphPass
 from accel.runtime.nn.bias_dropout_add import _ops, dropout_mask_call
 
 __all__ = ["DrawDropoutMasks"]
@@ -44,7 +45,7 @@ def _dropout_mask(node: torch.fx.Node) -> tuple | None:
     return rand.args[0], p, device
 
 
-class DrawDropoutMasks(CustomGraphPass):
+class DrawDropoutMasks(GraphPass):
     """Inductor joint-graph pass (joint_custom_pre_pass): the CPU dropout masks of a graph come from
     accel::dropout_mask (see the module docstring). Idempotent: Inductor may run a pre pass twice."""
 

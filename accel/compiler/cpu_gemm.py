@@ -19,8 +19,9 @@ compiled by hand takes it the same way:
 from __future__ import annotations
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import get_hash_for_files
 
+from accel.compiler.graph_pass import GraphPass
 from accel.runtime.nn import onednn_mm as _onednn
 
 
@@ -63,7 +64,7 @@ def _input_layouts(a: torch.fx.Node, b: torch.fx.Node, bias) -> tuple:
     return (val, b.meta["val"], bias_val), {}
 
 
-class SwapCpuGemms(CustomGraphPass):
+class SwapCpuGemms(GraphPass):
     """Inductor post-grad pass: large fp32 CPU mm/addmm nodes become accel::onednn_mm, each where oneDNN measured
     faster for its shape and layout (accel.runtime.nn.onednn_mm.onednn_faster). Whoever installs it has decided
     that oneDNN can win on this CPU (accelerate(): compute.cpu_gemm and the probe)."""

@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from accel.compiler.unpadded_attention import ACCEL_SDPA, SDPA
-from accel.utils.instance_forward import InstanceForward
+from accel.utils.instance_forward import InstanceForward, installed_forward
 from accel.utils.modules import acts_as_linear
 
 # Heads that read position 0 of the encoder's last layer and nothing else of it (and that return no per-token
@@ -429,7 +429,7 @@ def last_layer_rows(model: nn.Module) -> _LastLayerForward | None:
     if not (_bert_layer(layer) or _pre_norm_layer(layer) or _post_norm_layer(layer)
             or (getattr(config, "model_type", None) in DECODER_TYPES and _decoder_layer(layer))):
         return None
-    forward = layer.__dict__.get("forward")
+    forward = installed_forward(layer)
     if not isinstance(forward, _LastLayerForward):
         forward = _LastLayerForward(layer).install()
     return forward

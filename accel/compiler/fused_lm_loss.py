@@ -27,7 +27,7 @@ from torch import nn
 
 from accel.runtime.nn.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
 from accel.runtime.nn.onednn_mm import PLAIN_LINEARS
-from accel.utils.instance_forward import InstanceForward
+from accel.utils.instance_forward import InstanceForward, installed_forward
 from accel.utils.transformers_models import CAUSAL_LM_HEADS, is_transformers_model
 
 # Arguments of a *ForCausalLM's forward that its base model does not take.
@@ -138,7 +138,7 @@ def fuse_lm_loss(model: nn.Module) -> bool:
         warnings.warn(f"memory.fused_lm_loss: {type(model).__name__} holds no transformers causal language model "
                       f"(*{', *'.join(CAUSAL_LM_HEADS)}); nothing changed", stacklevel=3)
         return False
-    if isinstance(lm.__dict__.get("forward"), _FusedLossForward):
+    if isinstance(installed_forward(lm), _FusedLossForward):
         return True
     name = type(lm).__name__
     head = lm.get_output_embeddings()

@@ -27,7 +27,7 @@ from torch import nn
 
 from accel.compiler.first_token import attend, attention_function
 from accel.runtime.nn.onednn_mm import PLAIN_LINEARS
-from accel.utils.instance_forward import InstanceForward
+from accel.utils.instance_forward import InstanceForward, installed_forward
 from accel.utils.transformers_models import is_transformers_model
 
 _PROJECTIONS = ("query", "key", "value")
@@ -64,7 +64,7 @@ def fused_projections(attn: nn.Module, hidden_states: torch.Tensor, names: tuple
 def runs_fused(attn: nn.Module) -> bool:
     """Whether fuse_qkv gave attn its forward and the projections still qualify (first_token's last layer,
     which projects its queries for a few positions only, then takes keys and values from one GEMM too)."""
-    return isinstance(attn.__dict__.get("forward"), _FusedQKVForward) and _plain(attn)
+    return isinstance(installed_forward(attn), _FusedQKVForward) and _plain(attn)
 
 
 def _plain(attn: nn.Module) -> bool:
@@ -110,7 +110,7 @@ def fuse_qkv(model: nn.Module) -> int:
         return 0  # transformers 4's self-attention returns another tuple; decoders keep their cache path
     fused = 0
     for module in model.modules():
-        if isinstance(module.__dict__.get("forward"), _FusedQKVForward):
+        if isinstance(installed_forward(module), _FusedQKVForward):
             fused += 1
         elif "forward" not in module.__dict__ and _self_attention(module):  # another instance forward: its own
             _FusedQKVForward(module).install()

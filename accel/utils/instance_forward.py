@@ -5,6 +5,11 @@ class: other modules of the class, and other models, are untouched; `module(...)
 the new forward. The replacement is a plain object (not a closure) so the model still pickles and deep-copies.
 Transforms stack: each one calls the forward that was there before it (the class's, or an earlier instance
 forward) through `own`.
+
+What is set is the object's bound `__call__`, not the object: Dynamo guards an instance forward by identity
+unless it is a bound method, whose function (shared by every instance of the transform) it guards instead. So a
+second model built like the first runs the graphs compiled for the first (the same code objects, guards that
+hold) instead of compiling its own.
 """
 from __future__ import annotations
 
@@ -27,5 +32,11 @@ class InstanceForward:
 
     def install(self):
         """Make this the module's forward; returns self."""
-        object.__setattr__(self.module, "forward", self)
+        object.__setattr__(self.module, "forward", self.__call__)
         return self
+
+
+def installed_forward(module: nn.Module) -> InstanceForward | None:
+    """The InstanceForward that is `module`'s forward, or None (the class's forward, or another replacement)."""
+    owner = getattr(module.__dict__.get("forward"), "__self__", None)
+    return owner if isinstance(owner, InstanceForward) else None

@@ -1,11 +1,13 @@
 """InstanceForward: a module's forward replaced on the instance stacks on an earlier one, keeps hooks and
-state_dict keys, leaves other instances of the class alone, and pickles."""
+state_dict keys, leaves other instances of the class alone, pickles and deep-copies, and lets a second module
+run the graph compiled for the first."""
+import copy
 import pickle
 
 import torch
 from torch import nn
 
-from accel.utils.instance_forward import InstanceForward
+from accel.utils.instance_forward import InstanceForward, installed_forward
 
 
 class _Times(InstanceForward):
@@ -32,3 +34,38 @@ def test_stacks_keeps_hooks_and_leaves_other_instances_alone():
     torch.testing.assert_close(layer(x), plain * 10.0)
     assert len(seen) == 1 and list(layer.state_dict()) == keys
     torch.testing.assert_close(other(x), nn.functional.linear(x, other.weight, other.bias))
+
+
+def test_deep_copies_and_is_found_by_installed_forward():
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    assert installed_forward(layer) is None
+    outer = _Times(_Times(layer, 2.0).install().module, 3.0).install()
+    assert installed_forward(layer) is outer
+    clone = copy.deepcopy(layer)
+    assert installed_forward(clone).module is clone and clone.weight is not layer.weight  # the copy's own
+    torch.testing.assert_close(clone(x), nn.functional.linear(x, layer.weight, layer.bias) * 6.0)
+
+
+class _Block(nn.Module):  # defined here: Dynamo compiles a test's modules, not torch.nn's own forwards
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.inner(x).relu()
+
+
+def test_a_second_module_runs_the_graph_compiled_for_the_first():
+    """Dynamo guards an instance forward by identity unless it is a bound method (then by its function): so the
+    transform's forward is the object's bound __call__, and a module built like the first compiles nothing."""
+    torch._dynamo.reset()
+    x = torch.randn(4, 3)
+    first, second = _Block(), _Block()
+    for block in (first, second):
+        _Times(block.inner, 2.0).install()
+    torch.compile(first)(x)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        out = torch.compile(second)(x)
+    torch.testing.assert_close(out, (nn.functional.linear(x, second.inner.weight, second.inner.bias) * 2.0).relu())
