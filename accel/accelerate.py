@@ -221,8 +221,9 @@ def _compile(model: nn.Module, backend: str, device: torch.device, cuda_graphs: 
     from accel.compiler.decoding import eager_when_decoding
     from accel.compiler.moved_model import explain_failures_after_a_move
     from accel.compiler.problem_type import settle_problem_type
-    from accel.utils.dynamo import make_room_for_recompiles
+    from accel.utils.dynamo import guard_module_hooks, make_room_for_recompiles
 
+    guard_module_hooks()  # a hook added later, or on a model that runs another's graphs, must run
     # One graph per static shape (bucket lengths, plus a short last batch of each): room for them all, on top of
     # what earlier models took (Dynamo's limit counts their graphs too, dead models' included).
     make_room_for_recompiles(2 * n_shapes + 2)

@@ -608,6 +608,32 @@ def test_a_model_built_like_one_before_runs_its_graphs_with_its_own_weights(comp
         torch.testing.assert_close(p.grad, q.grad, **tol, msg=name)
 
 
+def test_a_hook_runs_on_a_model_that_runs_anothers_graphs_and_when_registered_after_a_call():
+    """Dynamo skips guards on modules' hooks by default: a forward hook on a layer of a model built like one
+    before (which runs that model's graphs), or one registered after the first call, never ran. accelerate()
+    turns those guards on (accel.utils.dynamo.guard_module_hooks)."""
+    import torch._dynamo
+
+    before = torch._dynamo.config.skip_nnmodule_hook_guards
+    torch._dynamo.config.skip_nnmodule_hook_guards = True  # torch's default
+    torch._dynamo.reset()
+    try:
+        batch = {"input_ids": torch.randint(1, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0)),
+                 "labels": torch.tensor([0, 1, 1, 0])}
+        first = accel.accelerate(tiny_bert(seed=0), config=cpu_config())
+        first(**batch)
+        second, seen = tiny_bert(seed=1), []
+        second.bert.encoder.layer[0].register_forward_hook(lambda module, args, out: seen.append(module))
+        second = accel.accelerate(second, config=cpu_config())
+        second(**batch)
+        assert seen == [second.bert.encoder.layer[0]]
+        first.bert.encoder.layer[1].register_forward_hook(lambda module, args, out: seen.append(module))
+        first(**batch)
+        assert seen[1:] == [first.bert.encoder.layer[1]]
+    finally:
+        torch._dynamo.config.skip_nnmodule_hook_guards = before
+
+
 @pytest.mark.filterwarnings("ignore:dataloader.pack. the loader's collate_fn")  # packing replaces pad_to_longest
 def test_a_second_call_on_a_packed_model_keeps_one_wrapper_and_names_what_it_cannot_do():
     from accel.compiler.packed import PackedModel
