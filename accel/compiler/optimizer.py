@@ -28,10 +28,10 @@ accelerated model (anything else passes through untouched):
    every step, before the update (one bucketed all-reduce, accel.xla.reduce_gradients): the usual
    loop needs no xm.optimizer_step; accel.xla.optimizer_step (which reduces first) is not reduced twice.
 
-Not compiled: LBFGS-style closures that re-evaluate the model many times, sparse gradients. A scheduler that
-changes a float lr every step makes Dynamo recompile each time (and, past its cache limit, fall back to
-eager): pass lr as a tensor, e.g. AdamW(params, lr=torch.tensor(1e-4)), as torch recommends for compiled
-optimizers.
+Not compiled: LBFGS-style closures that re-evaluate the model many times, sparse gradients. A scheduler's
+float lr reaches a compiled step as a tensor (the groups keep their floats), so a schedule compiles nothing
+more; another hyperparameter that changes between steps (OneCycleLR's momentum or betas) makes the step run
+uncompiled from then on, with a warning (_CompiledStep).
 """
 from __future__ import annotations
 
@@ -95,15 +95,88 @@ def has_cuda_graph_step(optimizer: torch.optim.Optimizer) -> bool:
 
 
 class _CompiledStep:
-    """optimizer.step replaced on the instance; holds the original bound step it compiles."""
+    """optimizer.step replaced on the instance; holds the original bound step it compiles.
 
-    def __init__(self, eager_step, mode: str | None = None):
+    A scheduler writes a new float lr into each param group every step, and a float in the groups is a constant
+    of the compiled graph: each new value compiled the step again (a linear warm-up: every step, until Dynamo's
+    recompile limit, after which the step ran uncompiled without a word). Around each compiled call a group's
+    float lr is handed over as a 0-dim tensor on its parameters' device, filled with the value (torch's advice
+    for compiled optimizers, done for the user: the groups keep their floats, which schedulers and logs read).
+    Another hyperparameter that changes between steps (OneCycleLR cycles Adam's betas and SGD's momentum), or an
+    lr that cannot be a tensor here, would compile anew each time as well: the step then runs uncompiled from
+    there on, and says so once.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, eager_step, mode: str | None = None):
+        self.optimizer = weakref.ref(optimizer)  # the optimizer holds this: no cycle
         self.eager_step = eager_step
         self.mode = mode
         self.compiled = torch.compile(eager_step, mode=mode)
+        self._lrs: list[torch.Tensor | None] = []  # per group: the lr's tensor, None where the float stays
+        self._settings: list[dict] = []  # per group: the values a change of which would compile anew
+        self.uncompiled_since_change = False
+
+    # A scheduler counts optimizer steps through a wrapper of its own around `step`, and warns when `step` was
+    # replaced after it was built (accel replaces it at the first step) or is not wrapped: this step counts them
+    # itself, and a scheduler built later sees it wrapped.
+    _wrapped_by_lr_sched = True
 
     def __call__(self, *args, **kwargs):
-        return self.compiled(*args, **kwargs)
+        optimizer = self.optimizer()
+        optimizer._opt_called = True  # what a scheduler's wrapper records
+        if self.uncompiled_since_change:
+            return self.eager_step(*args, **kwargs)
+        groups = optimizer.param_groups
+        if len(groups) != len(self._lrs):  # the first call, or a group added (a graph of its own, once)
+            self._lrs = [_lr_tensor(optimizer, group) for group in groups]
+            self._settings = [_settings(group, tensor is None) for group, tensor in zip(groups, self._lrs)]
+        changed = sorted({key for group, tensor, settings in zip(groups, self._lrs, self._settings)
+                          for key, value in _settings(group, tensor is None).items() if settings.get(key) != value})
+        if changed:
+            import warnings
+
+            self.uncompiled_since_change = True
+            warnings.warn(f"{type(optimizer).__name__}'s {', '.join(changed)} changed between "
+                          f"steps: each value would compile the optimizer step anew, so it runs uncompiled from "
+                          f"now on (accel.compiler.optimizer; a schedule of the learning rate alone keeps it "
+                          f"compiled)", stacklevel=2)
+            return self.eager_step(*args, **kwargs)
+        floats = []
+        for group, tensor in zip(groups, self._lrs):
+            if tensor is not None and not isinstance(group["lr"], torch.Tensor):
+                floats.append((group, group["lr"]))
+                tensor.fill_(group["lr"])
+                group["lr"] = tensor
+        try:
+            return self.compiled(*args, **kwargs)
+        finally:
+            for group, lr in floats:
+                group["lr"] = lr
+
+
+def _lr_tensor(optimizer: torch.optim.Optimizer, group: dict) -> torch.Tensor | None:
+    """A tensor for a group's float lr on its parameters' one device, or None: an lr that is a tensor already,
+    parameters on several devices, an optimizer outside torch.optim (its lr may have to be a number), torch's
+    Adam/AdamW with foreach=True and capturable=False (they refuse a tensor lr there)."""
+    lr, params = group.get("lr"), group.get("params", [])
+    devices = {p.device for p in params}
+    if (isinstance(lr, torch.Tensor) or not isinstance(lr, (int, float)) or isinstance(lr, bool)
+            or len(devices) != 1 or not type(optimizer).__module__.startswith("torch.optim.")
+            or (isinstance(optimizer, _TORCH_ADAMS) and group.get("foreach") and not group.get("capturable"))):
+        return None
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+    return torch.tensor(float(lr), dtype=dtype, device=next(iter(devices)))
+
+
+def _settings(group: dict, with_lr: bool) -> dict:
+    """A group's numeric hyperparameters (lr only where it stays a float): a compiled step is specialised on each."""
+    def numeric(value) -> bool:
+        if isinstance(value, tuple):
+            return all(numeric(v) for v in value)
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    return {key: value for key, value in group.items()
+            if key not in ("params", "initial_lr") and (with_lr or key != "lr") and numeric(value)}
 
 
 def _switch_to_fused(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
@@ -151,7 +224,7 @@ def _adopt(optimizer, args, kwargs):
     fused_on_cpu = uses_fused_kernel(optimizer) and all(p.device.type == "cpu" for p in params)
     if wants_compile and not fused_on_cpu and type(optimizer).__name__ not in _SKIP:
         graphs = all(o.cuda_graph_steps for o in options) and all(p.device.type == "cuda" for p in params)
-        optimizer.step = _CompiledStep(optimizer.step, mode="reduce-overhead" if graphs else None)
+        optimizer.step = _CompiledStep(optimizer, optimizer.step, mode="reduce-overhead" if graphs else None)
     return None
 
 
