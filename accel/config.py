@@ -101,9 +101,10 @@ class ComputeConfig(_Section):
     cuda_graphs: replay the compiled step with CUDA graphs (cuda backend only; needs compile).
     optimizer_cuda_graphs: replay the compiled optimizer steps (accel.compiler.optimizer) with CUDA graphs
         too, so that a whole training step is graph replays (cuda backend; needs cuda_graphs). Off until a
-        GPU run shows it wins (`bert_base.py --modes accel,accel:compute.optimizer_cuda_graphs=true`): a
-        compiled fused AdamW step costs the host a few Inductor launches and Dynamo's guards over every
-        parameter and its state, which matters where the host bounds the step (BERT-base at 32x128).
+        GPU run shows it wins (`bert_base.py --modes accel,accel:compute.optimizer_cuda_graphs=true` with an
+        optimizer that is not fused: torch's fused Adam/AdamW, accel's default for them, is never compiled,
+        Dynamo does not trace into it): a compiled step costs the host Dynamo's guards over every parameter
+        and its state, which matters where the host bounds the step (BERT-base at 32x128).
     kernels: use accel's kernel library where it beats what the backend already does on this device
         (see accel.runtime.policy: decided by measurement, not by default).
     recompile_guard: warn when compilations keep growing after the first steps, naming the input and

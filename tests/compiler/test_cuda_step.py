@@ -11,7 +11,7 @@ import torch
 import accel
 from accel.amp import GradScaler, syncfree
 from accel.compiler.graph_pool_grads import has_graph_pool_grad_check
-from accel.compiler.optimizer import has_compiled_step, has_cuda_graph_step
+from accel.compiler.optimizer import has_compiled_step, has_cuda_graph_step, uses_fused_kernel
 
 transformers = pytest.importorskip("transformers", reason="the compiled step is tested on transformers' BERT")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -108,7 +108,8 @@ def test_bf16_step_is_sync_free_and_trains_like_eager(optimizer_graphs):
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.detach())
-    assert has_compiled_step(opt) and has_cuda_graph_step(opt) == optimizer_graphs
+    # torch's AdamW at its defaults runs torch's fused kernel, never compiled (Dynamo does not trace into it)
+    assert uses_fused_kernel(opt) and not has_compiled_step(opt)
     torch.testing.assert_close(torch.stack(losses).float(), torch.stack(ref_losses).float(), rtol=3e-2, atol=3e-2)
 
 
