@@ -65,6 +65,8 @@ _SKIP = ("LBFGS", "SparseAdam")
 # The defining classes (never the torch.optim attributes, which accel.runtime.hooks may replace).
 _TORCH_ADAMS = (_TorchAdam, _TorchAdamW)
 _NONE = _Options(compile_steps=False, reduce_gradients=False, cuda_graph_steps=False)
+# Optimizers that take a tensor lr: torch's, and accel's sync-free ones
+_TENSOR_LR_MODULES = ("torch.optim.", "accel.amp.syncfree.")
 
 
 def adopt_optimizers(model: torch.nn.Module, compile_steps: bool, reduce_gradients: bool = False,
@@ -158,12 +160,12 @@ class _CompiledStep:
 
 def _lr_tensor(optimizer: torch.optim.Optimizer, group: dict) -> torch.Tensor | None:
     """A tensor for a group's float lr on its parameters' one device, or None: an lr that is a tensor already,
-    parameters on several devices, an optimizer outside torch.optim (its lr may have to be a number), torch's
+    parameters on several devices, an optimizer of another library (its lr may have to be a number), torch's
     Adam/AdamW with foreach=True and capturable=False (they refuse a tensor lr there)."""
     lr, params = group.get("lr"), group.get("params", [])
     devices = {p.device for p in params}
     if (isinstance(lr, torch.Tensor) or not isinstance(lr, (int, float)) or isinstance(lr, bool)
-            or len(devices) != 1 or not type(optimizer).__module__.startswith("torch.optim.")
+            or len(devices) != 1 or not type(optimizer).__module__.startswith(_TENSOR_LR_MODULES)
             or (isinstance(optimizer, _TORCH_ADAMS) and group.get("foreach") and not group.get("capturable"))):
         return None
     dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32

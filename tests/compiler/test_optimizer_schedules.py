@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import accel
+from accel.amp import syncfree
 from accel.compiler.optimizer import has_compiled_step
 from accel.config import Config
 
@@ -17,6 +18,7 @@ OPTIMIZERS = {
     "SGD tensor lr": lambda params: torch.optim.SGD(params, lr=torch.tensor(0.05), momentum=0.9),
     "Adam loop": lambda params: torch.optim.Adam(params, lr=1e-2, fused=False),
     "RMSprop": lambda params: torch.optim.RMSprop(params, lr=1e-2),
+    "sync-free AdamW": lambda params: syncfree.AdamW(params, lr=1e-2),
     "Adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-1),
 }
 
