@@ -112,7 +112,7 @@ class _CompiledStep:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, eager_step, mode: str | None = None):
-        self.optimizer = weakref.ref(optimizer)  # the optimizer holds this: no cycle
+        self.optimizer = weakref.ref(optimizer)  # the optimizer holds this step: no reference cycle through it
         self.eager_step = eager_step
         self.mode = mode
         self.compiled = torch.compile(eager_step, mode=mode)

@@ -27,9 +27,10 @@ def make_room_for_recompiles(n: int) -> None:
 
     Dynamo keeps graphs on the code object it compiles, shared by every model of a class (transformers'
     forward wrappers: by every model); a model built like one before runs its graphs, any other adds entries
-    (another config, shapes, dtypes). The limit counts them all, the entries of models long gone included: in a process that accelerates model after model (a sweep, cross-validation, a notebook
-    cell run again, a test suite) the ninth model ran uncompiled, with no more than a log line. Each
-    accelerate() adds room for its own graphs instead of setting a fixed limit (allow_recompiles).
+    (another config, shapes, dtypes). The limit counts them all, the entries of models long gone included: in a
+    process that accelerates model after model (a sweep, cross-validation, a notebook cell run again, a test
+    suite) the ninth model ran uncompiled, with no more than a log line. Each accelerate() adds room for its own
+    graphs instead of setting a fixed limit (allow_recompiles).
     """
     _raise_limit(lambda current: current + int(n))
 
