@@ -27,12 +27,19 @@ def warm_up(opt):  # transformers' linear warm-up then decay, as a LambdaLR: a n
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min((step + 1) / 3, max(0.0, (10 - step) / 7)))
 
 
-def _pair(make_optimizer):
+# On CUDA the compiled step takes the lr tensor on the device (and Dynamo makes the step capturable)
+DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device: the compiled step over CUDA parameters"))])
+
+
+def _pair(make_optimizer, device="cpu"):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).to(device)
     model = copy.deepcopy(ref)
-    accel.accelerate(model, config=Config(backend="cpu"))
+    config = Config(backend=device)
+    config.compute.bf16 = False  # the reference runs in fp32
+    accel.accelerate(model, config=config)
     return (model, make_optimizer(model.parameters())), (ref, make_optimizer(ref.parameters()))
 
 
@@ -45,7 +52,7 @@ def _train(pairs, make_scheduler, steps, after_step=None):
     warnings.filterwarnings("error", message="Detected call of `lr_scheduler.step\\(\\)` before")
     g = torch.Generator().manual_seed(0)
     for step in range(steps):
-        x = torch.randn(4, 8, generator=g)
+        x = torch.randn(4, 8, generator=g).to(next(pairs[0][0].parameters()).device)
         for (model, opt), scheduler in zip(pairs, schedulers):
             model(x).square().mean().backward()
             opt.step()
@@ -55,11 +62,12 @@ def _train(pairs, make_scheduler, steps, after_step=None):
             after_step(step)
 
 
+@DEVICES
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_a_scheduled_lr_compiles_the_step_once_and_trains_like_eager(name):
+def test_a_scheduled_lr_compiles_the_step_once_and_trains_like_eager(name, device):
     from torch._dynamo.utils import counters
 
-    (model, opt), (ref, ref_opt) = _pair(OPTIMIZERS[name])
+    (model, opt), (ref, ref_opt) = _pair(OPTIMIZERS[name], device)
     graphs = {}
 
     def count(step):
