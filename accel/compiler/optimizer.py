@@ -117,7 +117,7 @@ class _CompiledStep:
         self.mode = mode
         self.compiled = torch.compile(eager_step, mode=mode)
         self._lrs: list[torch.Tensor | None] = []  # per group: the lr's tensor, None where the float stays
-        self._settings: list[dict] = []  # per group: the values a change of which would compile anew
+        self._settings: list[dict] = []  # per group: the values a change of which would compile anew, by name
         self.uncompiled_since_change = False
 
     # A scheduler counts optimizer steps through a wrapper of its own around `step`, and warns when `step` was
@@ -134,11 +134,13 @@ class _CompiledStep:
         if len(groups) != len(self._lrs):  # the first call, or a group added (a graph of its own, once)
             self._lrs = [_lr_tensor(optimizer, group) for group in groups]
             self._settings = [_settings(group, tensor is None) for group, tensor in zip(groups, self._lrs)]
-        changed = sorted({key for group, tensor, settings in zip(groups, self._lrs, self._settings)
-                          for key, value in _settings(group, tensor is None).items() if settings.get(key) != value})
-        if changed:
+        # on the hot path: the recorded names' values compared, no more (a dict of a few numbers a group)
+        if any(group.get(key) != value for group, settings in zip(groups, self._settings)
+               for key, value in settings.items()):
             import warnings
 
+            changed = sorted({key for group, settings in zip(groups, self._settings)
+                              for key, value in settings.items() if group.get(key) != value})
             self.uncompiled_since_change = True
             warnings.warn(f"{type(optimizer).__name__}'s {', '.join(changed)} changed between "
                           f"steps: each value would compile the optimizer step anew, so it runs uncompiled from "
