@@ -1,5 +1,6 @@
-"""transformers' Trainer with a model accel.accelerate() returned: it trains as the plain model does and
-save_model writes what from_pretrained loads. Run in a subprocess with USE_TORCH_XLA=0, which transformers reads
+"""transformers' Trainer with a model accel.accelerate() returned: it trains as the plain model does (AdamW, and
+SGD, whose step accel compiles, under the Trainer's learning-rate schedule) and save_model writes what
+from_pretrained loads. Run in a subprocess with USE_TORCH_XLA=0, which transformers reads
 at import: where torch_xla is installed, Trainer otherwise moves every model to the XLA device (the case
 accel.compiler.moved_model explains)."""
 import json
@@ -26,7 +27,16 @@ config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_att
 g = torch.Generator().manual_seed(0)
 data = [{"input_ids": torch.randint(1, 100, (16,), generator=g), "labels": int(i % 2)} for i in range(24)]
 
-def train(accelerated):
+graphs = []  # Dynamo's graphs so far, at the end of each training step
+
+
+class GraphCount(transformers.TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def train(accelerated, optim="adamw_torch"):
+    graphs.clear()
     torch.manual_seed(0)
     model = BertForSequenceClassification(config)
     if accelerated:
@@ -35,8 +45,9 @@ def train(accelerated):
         model = accel.accelerate(model, config=settings)
     args = TrainingArguments(output_dir=out + ("/accel" if accelerated else "/plain"), max_steps=4,
                              per_device_train_batch_size=4, use_cpu=True, report_to=[], save_strategy="no",
-                             logging_strategy="no", disable_tqdm=True, seed=0, learning_rate=1e-3)
-    trainer = Trainer(model=model, args=args, train_dataset=data)
+                             logging_strategy="no", disable_tqdm=True, seed=0, learning_rate=1e-3, optim=optim,
+                             warmup_steps=2)  # a new lr at every step (linear warm-up, then decay)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[GraphCount()])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
@@ -44,7 +55,8 @@ def train(accelerated):
     if accelerated:
         trainer.save_model(out + "/saved")
     device = str(next(model.parameters()).device)
-    shapes = [str(w.message) for w in caught if type(w.message).__name__ == "ManyShapesWarning"]
+    shapes = [str(w.message) for w in caught if type(w.message).__name__ == "ManyShapesWarning"
+              or "optimizer.step()" in str(w.message) or "changed between steps" in str(w.message)]
     return accel.unwrap_model(model).state_dict(), device, shapes
 
 torch.manual_seed(0)
@@ -52,7 +64,12 @@ initial = BertForSequenceClassification(config).state_dict()
 plain, _, _ = train(False)
 ours, device, shape_warnings = train(True)
 loaded = BertForSequenceClassification.from_pretrained(out + "/saved").state_dict()
-json.dump({"device": device, "shape_warnings": shape_warnings,
+# SGD: a step accel compiles, under the Trainer's schedule (its lr reaches the compiled step as a tensor)
+plain_sgd, _, _ = train(False, "sgd")
+ours_sgd, _, sgd_warnings = train(True, "sgd")
+sgd_graphs = list(graphs)  # the model's graph at step 1, the optimizer step's at step 2, then none
+json.dump({"device": device, "shape_warnings": shape_warnings + sgd_warnings,
+           "sgd_graphs": sgd_graphs, "max_diff_sgd": max((plain_sgd[k] - ours_sgd[k]).abs().max().item() for k in plain_sgd),
            "max_diff": max((plain[k] - ours[k]).abs().max().item() for k in plain),
            "trained": max((plain[k] - initial[k]).abs().max().item() for k in plain),
            "saved_diff": max((loaded[k] - ours[k]).abs().max().item() for k in loaded),
@@ -67,7 +84,11 @@ def test_trainer_trains_an_accelerated_model_as_the_plain_one(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["device"] == "cpu"  # left where accelerate() put it
-    assert result["shape_warnings"] == []  # training's one shape, evaluation's two: nothing to say
+    # training's one shape, evaluation's two: nothing to say; nor about the optimizer's step under the schedule
+    assert result["shape_warnings"] == []
+    assert result["max_diff_sgd"] < 1e-4  # the compiled SGD step followed the scheduled lr...
+    graphs = result["sgd_graphs"]
+    assert len(graphs) == 4 and graphs[3] == graphs[1], graphs  # ...compiled once (a new lr no longer compiles)
     assert result["trained"] > 1e-3  # the weights did train...
     assert result["max_diff"] < 1e-4  # ...as the plain model's did (compiled fp32 against eager fp32)
     assert result["keys_equal"] and result["saved_diff"] == 0.0  # save_model wrote the trained weights
