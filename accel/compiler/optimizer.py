@@ -112,7 +112,9 @@ class _CompiledStep:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, eager_step, mode: str | None = None):
-        self.optimizer = weakref.ref(optimizer)  # the optimizer holds this step: no reference cycle through it
+        # weak: the optimizer holds this step (a bound eager_step still holds the optimizer: a cycle the collector
+        # frees, as before; a scheduler's wrapper holds it weakly too)
+        self.optimizer = weakref.ref(optimizer)
         self.eager_step = eager_step
         self.mode = mode
         self.compiled = torch.compile(eager_step, mode=mode)
