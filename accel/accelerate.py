@@ -25,8 +25,8 @@ What it does, in order (each step says why it sits where it does):
    PhiloxDropout wins (the CPU), compiled graphs draw every other dropout mask (F.dropout calls) with its kernel
    too (accel.compiler.cpu_dropout, a graph pass given to Inductor at step 7).
 5. activation checkpointing (memory.gc): the blocks named by memory.gc_cls, or the repeated blocks
-   auto_checkpoint finds; memory.gc_cnt limits it to the first N. memory.fused_lm_loss: a causal LM's training
-   loss without its logits (accel.compiler.fused_lm_loss). Then compute.first_token_only: a
+   auto_checkpoint finds; memory.gc_cnt limits it to the first N. memory.fused_lm_loss: a causal or masked LM's
+   training loss without its logits (accel.compiler.fused_lm_loss). Then compute.first_token_only: a
    classifier that reads one token (an encoder's first, a Llama-family decoder's last) gets a last layer that
    computes only that token (accel.compiler.first_token; after checkpointing, which would recompute that layer
    outside the call).

@@ -212,13 +212,14 @@ class MemoryConfig(_Section):
     keep_freed_memory: for models that run on the CPU, glibc's malloc keeps freed memory for reuse
         (accel.runtime.host_memory): large tensors stop costing page faults every step; the process
         keeps its heap at its peak (more where tensor sizes change every step: switch it off there).
-    fused_lm_loss: a causal language model's training calls with labels compute the loss without the
-        [B, L, vocabulary] logits, a chunk of tokens at a time (accel.compiler.fused_lm_loss); those calls'
-        outputs have no logits. Off by default, as memory.gc: it trades time for memory (a Llama with hidden 512
-        and a 128256-word vocabulary on the CPU: peak 3.2 instead of 6.0 GB, 0.83x the tokens/s). On the CPU the
-        tokens whose label is ignored (an instruction-tuned model's prompts) skip the head's products: with half
-        of every sample a prompt, that Llama with a 32000-word vocabulary trains at 1.17x the speed with 0.63x
-        the peak memory (without prompts 0.92x, 0.64x).
+    fused_lm_loss: a causal or masked language model's training calls with labels compute the loss without the
+        [B, L, vocabulary] logits, a slice of the vocabulary at a time (accel.compiler.fused_lm_loss); those
+        calls' outputs have no logits. Off by default, as memory.gc: it trades time for memory (a Llama with
+        hidden 512 and a 128256-word vocabulary on the CPU: peak 3.2 instead of 6.0 GB, 0.83x the tokens/s). On
+        the CPU the tokens whose label is ignored (an instruction-tuned model's prompts, the 85% of tokens a
+        masked LM does not predict) skip the head's products: with half of every sample a prompt, that Llama
+        with a 32000-word vocabulary trains at 1.17x the speed with 0.63x the peak memory (without prompts
+        0.92x, 0.64x); BERT-base's masked LM (15% of tokens labelled) at 1.05-1.16x.
     """
 
     _prefix = "memory"

@@ -9,14 +9,15 @@ autocast where native) and `accel` (accelerate(), AdamW; all-ones masks dropped 
 its rows, measurement and tables are bert_base.py's (see its docstring).
 
 Models: transformers' classes from configs (hidden 256, 4 layers of 4 heads, intermediate 1024, vocabulary 8000;
-decoders 2 key/value heads; BART 2 + 2 layers), random weights, nothing downloaded: sequence classifiers (RoBERTa,
-DeBERTa-v2, ALBERT, ELECTRA), causal LMs (GPT-2, OPT, Qwen2, Mistral with its 4096-token sliding window, Gemma,
+decoders 2 key/value heads; BART 2 + 2 layers; --size base: BERT-base's, hidden 768, 12 layers of 12 heads,
+intermediate 3072, vocabulary 30522), random weights, nothing downloaded: sequence classifiers (RoBERTa,
+DeBERTa-v2, ALBERT, ELECTRA), a masked LM (BERT: 15% of the tokens labelled, as BERT's pre-training masks), causal LMs (GPT-2, OPT, Qwen2, Mistral with its 4096-token sliding window, Gemma,
 Phi-3), encoder-decoders (T5, BART: labels half the input's length), ViT (224 px, 197 tokens) and the image
 classifiers of the TorchAcc guide's kind, Swin, ConvNeXt and ResNet (224 px, four stages of 32 to 256 channels;
 their speed is images, counted as one token each). --quick: tiny ones, 16 tokens, 2 steps.
 
     python benchmarks/model_families.py [--quick] [--families gpt2,bart] [--modes peer,accel] [--steps N]
-                                        [--batch B] [--length L]
+                                        [--batch B] [--length L] [--size small|base]
 
 Writes benchmarks/results/model_families_<device>.json and .png (accel's speed over the peer's per family).
 """
@@ -37,13 +38,15 @@ from benchmarks import _report, bert_base  # noqa: E402
 MODES = ("peer", "accel")
 SIZE = dict(hidden=256, layers=4, heads=4, intermediate=1024, vocab=8000, image_size=224)
 QUICK_SIZE = dict(hidden=32, layers=2, heads=4, intermediate=64, vocab=500, image_size=32)
+BASE_SIZE = dict(hidden=768, layers=12, heads=12, intermediate=3072, vocab=30522, image_size=224)
+MASKED_FRACTION = 0.15  # of a masked LM's tokens labelled (BERT's pre-training masks 15%)
 PATCH = 16  # ViT's patch size: (image_size / 16)^2 patches and its [CLS] token
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
     cls: str     # the transformers class
-    task: str    # "classify", "lm", "seq2seq" or "images"
+    task: str    # "classify", "mlm", "lm", "seq2seq" or "images"
     config: str  # the transformers config class
 
     def settings(self, size: dict) -> dict:
@@ -54,8 +57,8 @@ class Family:
         decoder = dict(common, num_key_value_heads=heads // 2, pad_token_id=0)
         stages = [h // 8, h // 4, h // 2, h]
         return {
-            "RobertaConfig": common, "DebertaV2Config": common, "ElectraConfig": dict(common, embedding_size=h // 2),
-            "AlbertConfig": dict(common, embedding_size=h // 2),
+            "BertConfig": common, "RobertaConfig": common, "DebertaV2Config": common,
+            "ElectraConfig": dict(common, embedding_size=h // 2), "AlbertConfig": dict(common, embedding_size=h // 2),
             "GPT2Config": dict(n_embd=h, n_layer=n, n_head=heads, vocab_size=vocab),
             "OPTConfig": dict(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, ffn_dim=ffn,
                               vocab_size=vocab, word_embed_proj_dim=h),
@@ -82,6 +85,7 @@ FAMILIES = {
     "deberta": Family("DebertaV2ForSequenceClassification", "classify", "DebertaV2Config"),
     "albert": Family("AlbertForSequenceClassification", "classify", "AlbertConfig"),
     "electra": Family("ElectraForSequenceClassification", "classify", "ElectraConfig"),
+    "bert_mlm": Family("BertForMaskedLM", "mlm", "BertConfig"),
     "gpt2": Family("GPT2LMHeadModel", "lm", "GPT2Config"),
     "opt": Family("OPTForCausalLM", "lm", "OPTConfig"),
     "qwen2": Family("Qwen2ForCausalLM", "lm", "Qwen2Config"),
@@ -106,14 +110,18 @@ class Batches(bert_base.Workload):
 
 def make_samples(task: str, n: int, length: int, vocab: int, image_size: int, seed: int) -> list[dict]:
     """n samples of the task's fields: token ids from 3 (0-2 are pad/special ids) with a mask of ones and a label
-    (classify: the first id's parity; lm: the ids; seq2seq: length // 2 other ids), or seeded images."""
+    (classify: the first id's parity; mlm: the ids at MASKED_FRACTION of the positions and one more, -100 elsewhere; lm: the
+    ids; seq2seq: length // 2 other ids), or seeded images."""
     g = torch.Generator().manual_seed(seed)
     if task == "images":
         images = torch.randn(n, 3, image_size, image_size, generator=g)
         return [{"pixel_values": x, "labels": x[0].sum().gt(0).long()} for x in images]
     ids = torch.randint(3, vocab, (n, length), generator=g)
     targets = torch.randint(3, vocab, (n, length // 2), generator=g)
-    labels = {"classify": ids[:, 0] % 2, "lm": ids, "seq2seq": targets}[task]
+    chosen = torch.rand(n, length, generator=g) < MASKED_FRACTION
+    chosen[torch.arange(n), torch.randint(length, (n,), generator=g)] = True  # a sample's loss is never 0 / 0
+    masked = torch.where(chosen, ids, -100)
+    labels = {"classify": ids[:, 0] % 2, "mlm": masked, "lm": ids, "seq2seq": targets}[task]
     return [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": y} for i, y in zip(ids, labels)]
 
 
@@ -137,6 +145,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=("cuda", "cpu"), help="device of the peer's rows")
     ap.add_argument("--quick", action="store_true", help="tiny models, 16 tokens, batch 4, 2 + 2 steps")
+    ap.add_argument("--size", choices=("small", "base"), default="small",
+                    help="the models' size: small (hidden 256, 4 layers) or base (BERT-base's)")
     ap.add_argument("--out", help="result file name without extension (default model_families_<cpu|cuda>)")
     ap.add_argument("--results-dir", type=Path, default=_report.RESULTS)
     args = ap.parse_args(argv)
@@ -186,7 +196,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     env = _report.environment(str(args.device))
     env["keep_freed_memory"] = args.device.type == "cpu" and keep_freed_memory()  # as bert_base.py
-    size = QUICK_SIZE if args.quick else SIZE
+    size = QUICK_SIZE if args.quick else BASE_SIZE if args.size == "base" else SIZE
     print(f"model families on {env['device']}: {','.join(args.families)}; batch {args.batch}, {args.length} tokens; "
           f"modes {','.join(args.modes)}", flush=True)
     rows, summary, problems = [], [], {}

@@ -29,13 +29,13 @@ from accel.compiler.unpadded_attention import ACCEL_SDPA, CU_SEQLENS, SDPA, SEGM
 from accel.data.packing import LABEL_PAD, block_diagonal_mask, static_cu_seqlens
 from accel.runtime.nn import varlen_attention
 from accel.utils.modules import acts_as_linear
-from accel.utils.transformers_models import CAUSAL_LM_HEADS, transformers_model
+from accel.utils.transformers_models import CAUSAL_LM_HEADS, MASKED_LM_HEADS, transformers_model
 
 FLEX = "flex_attention"
 BACKENDS = (FLEX, SDPA, ACCEL_SDPA, "eager")
 # Heads whose loss is already per token: with attention kept per sample, the model's own loss over the packed
 # per-token labels is the loss over the same tokens unpacked.
-_TOKEN_HEADS = ("ForMaskedLM", "ForTokenClassification")
+_TOKEN_HEADS = MASKED_LM_HEADS + ("ForTokenClassification",)
 _SEQUENCE_HEAD = "ForSequenceClassification"
 # Models whose ALiBi attention biases count positions in the [B, L] padding mask, not in position ids: packed rows
 # cannot restart them per sample (Falcon says so with config.alibi).

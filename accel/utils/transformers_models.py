@@ -6,6 +6,8 @@ import sys
 # Class-name endings of transformers' causal language models (LlamaForCausalLM, GPT2LMHeadModel, BertLMHeadModel):
 # a per-token loss on shifted labels.
 CAUSAL_LM_HEADS = ("ForCausalLM", "LMHeadModel")
+# ... and of its masked language models (BertForMaskedLM, RobertaForMaskedLM): a per-token loss on unshifted labels.
+MASKED_LM_HEADS = ("ForMaskedLM",)
 
 
 def is_transformers_model(model) -> bool:

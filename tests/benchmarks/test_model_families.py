@@ -35,3 +35,18 @@ def test_unknown_families_are_named():
     with pytest.raises(SystemExit):
         model_families.parse_args(["--families", "bart,llama9"])
     assert model_families.parse_args(["--families", "gpt2, t5"]).families == ["gpt2", "t5"]
+
+
+def test_quick_masked_lm_with_the_fused_loss_row(tmp_path):
+    """A masked LM (15% of its tokens labelled) in the peer's and accel's rows and accel's with
+    memory.fused_lm_loss: the same losses (the loss check) from the three."""
+    status = model_families.main(["--quick", "--device", "cpu", "--families", "bert_mlm", "--modes",
+                                  "peer,accel,accel:memory.fused_lm_loss=true", "--results-dir", str(tmp_path),
+                                  "--out", "quick"])
+    result = json.loads((tmp_path / "quick.json").read_text())
+    assert status == 0 and result["loss_check"]["verdict"] == "PASS"
+    assert [(r["mode"], r["status"]) for r in result["rows"]] == [
+        ("peer", "ok"), ("accel", "ok"), ("accel:memory.fused_lm_loss=true", "ok")]
+    samples = model_families.make_samples("mlm", 50, 16, 500, 32, seed=0)
+    labelled = torch.stack([s["labels"] != -100 for s in samples])
+    assert labelled.any(1).all() and 0.1 < labelled.float().mean() < 0.3

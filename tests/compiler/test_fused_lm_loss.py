@@ -148,7 +148,7 @@ def test_other_models_are_left_alone_with_a_warning():
     bert = transformers.BertForSequenceClassification(transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37))
     for model in (bert, torch.nn.Linear(2, 2)):
-        with pytest.warns(UserWarning, match="holds no transformers causal language model"):
+        with pytest.warns(UserWarning, match="holds no transformers causal or masked language model"):
             assert not fuse_lm_loss(model)
         assert "forward" not in model.__dict__
 
@@ -225,5 +225,180 @@ def test_accelerate_trains_the_same_compiled(pack):
     """memory.fused_lm_loss through accelerate() (compiled), with and without packed rows: the same losses
     step after step as the model's own head and loss."""
     fused, plain = _accelerated_losses(True, pack), _accelerated_losses(False, pack)
+    assert len(fused) >= 2
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
+
+
+# Masked LMs: the model's own forward runs with its output embeddings passing their input through.
+
+def _masked_model(family: str):
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                  max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if family == "distilbert":  # its head inline in the model's forward
+        return transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(
+            vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=64, dropout=0.0,
+            attention_dropout=0.0))
+    if family == "modernbert":  # divides its loss by num_items_in_batch (transformers' loss_function)
+        return transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=64, global_attn_every_n_layers=1, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, cls_token_id=1, sep_token_id=2))
+    if family == "albert":  # a factorised embedding: the decoder reads 16 features
+        return transformers.AlbertForMaskedLM(transformers.AlbertConfig(**common, embedding_size=16))
+    config_class, model_class = {"bert": (transformers.BertConfig, transformers.BertForMaskedLM),
+                                 "roberta": (transformers.RobertaConfig, transformers.RobertaForMaskedLM)}[family]
+    return model_class(config_class(**common))
+
+
+def _masked_pair(family, device="cpu"):
+    model = _masked_model(family).to(device).train()
+    reference = copy.deepcopy(model)
+    assert fuse_lm_loss(model)
+    return model, reference
+
+
+def _masked_batch(device="cpu"):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (3, 12), generator=g)
+    labels = torch.where(torch.rand(3, 12, generator=g) < 0.3, ids, -100)
+    labels[0, 0] = ids[0, 0]  # at least one
+    return ids.to(device), labels.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert", "albert", "modernbert"])
+def test_masked_lm_loss_and_gradients_equal_the_models_own(family, device):
+    model, reference = _masked_pair(family, device)
+    ids, labels = _masked_batch(device)
+    out, want = model(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+    assert out.logits is None and type(out) is type(want)
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    want.loss.backward()
+    _assert_same_grads(model, reference)
+
+
+def test_masked_lm_tied_decoder_gets_both_gradients_and_items_follow_the_model():
+    """BERT ties its decoder to the word embeddings (both gradients reach the one tensor) and ignores
+    num_items_in_batch (its loss is the mean); ModernBERT's loss divides by it: each as the model's own."""
+    model, reference = _masked_pair("bert")
+    assert model.get_output_embeddings().weight is model.bert.embeddings.word_embeddings.weight
+    ids, labels = _masked_batch()
+    items = torch.tensor(50)
+    for family in ("bert", "modernbert"):
+        model, reference = _masked_pair(family)
+        out = model(input_ids=ids, labels=labels, num_items_in_batch=items)
+        want = reference(input_ids=ids, labels=labels, num_items_in_batch=items)
+        torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+        out.loss.backward()
+        want.loss.backward()
+        _assert_same_grads(model, reference)
+
+
+def test_masked_lm_other_calls_are_the_models_own():
+    model, reference = _masked_pair("bert")
+    ids, labels = _masked_batch()
+    with torch.no_grad():  # evaluation with labels: logits and loss
+        out, want = model(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+        torch.testing.assert_close(out.logits, want.logits)
+        torch.testing.assert_close(out.loss, want.loss)
+    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)  # no labels
+    hidden = torch.randn(2, 32)  # the decoder called by itself computes its product
+    torch.testing.assert_close(model.get_output_embeddings()(hidden), reference.get_output_embeddings()(hidden))
+    out = model(input_ids=ids, labels=labels, return_dict=False)
+    assert isinstance(out, tuple)
+    torch.testing.assert_close(out[0], want.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_masked_lm_head_hooked_or_replaced_is_the_models_own():
+    model, reference = _masked_pair("bert")
+    ids, labels = _masked_batch()
+    calls = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    out = model(input_ids=ids, labels=labels)
+    assert calls == [(3, 12, VOCAB)] and out.logits is not None
+    handle.remove()
+    # resize_token_embeddings gives the tied decoder a larger weight: the fused loss reads it (equal to the model's
+    # own forward, which a call without gradients runs)
+    model.resize_token_embeddings(VOCAB + 3)
+    out = model(input_ids=ids, labels=labels)
+    with torch.no_grad():
+        own = model(input_ids=ids, labels=labels)
+    assert out.logits is None and own.logits.shape == (3, 12, VOCAB + 3)
+    torch.testing.assert_close(out.loss, own.loss, rtol=1e-5, atol=1e-6)
+    # a decoder module set in its place does not pass its input through: the model's own forward
+    model.set_output_embeddings(torch.nn.Linear(32, VOCAB + 3))
+    out = model(input_ids=ids, labels=labels)
+    with torch.no_grad():
+        own = model(input_ids=ids, labels=labels)
+    assert out.logits.shape == (3, 12, VOCAB + 3)
+    torch.testing.assert_close(out.loss, own.loss)
+
+
+class _ScaledBertForMaskedLM(transformers.BertForMaskedLM):
+    """A masked LM whose logits are not its decoder's product (scaled after it)."""
+
+    __module__ = "transformers.models.bert.scaled"  # read as a transformers model, as a family of its own is
+
+    def forward(self, *args, **kwargs):
+        labels = kwargs.pop("labels", None)
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2.0
+        if labels is not None:
+            out.loss = torch.nn.functional.cross_entropy(out.logits.view(-1, VOCAB), labels.view(-1))
+        return out
+
+
+def test_masked_lm_whose_head_does_more_is_refused():
+    model = _ScaledBertForMaskedLM(_masked_model("bert").config).train()
+    with pytest.warns(UserWarning, match="fused_lm_loss: _ScaledBertForMaskedLM keeps its own head and loss: its logits are not"):
+        assert not fuse_lm_loss(model)
+    assert "forward" not in model.__dict__ and "forward" not in model.get_output_embeddings().__dict__
+
+
+def test_masked_lm_pickles_and_copies():
+    model, _ = _masked_pair("bert")
+    ids, labels = _masked_batch()
+    for clone in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        out = clone(input_ids=ids, labels=labels)
+        assert out.logits is None
+        torch.testing.assert_close(out.loss, model(input_ids=ids, labels=labels).loss)
+
+
+def _accelerated_masked_losses(fused: bool, pack: bool):
+    config = accel.Config(backend="cpu")
+    config.compute.kernels = False
+    config.memory.fused_lm_loss = fused
+    g = torch.Generator().manual_seed(4)
+    data = []
+    for n in (5, 9, 12, 7, 16, 3, 10, 8):
+        ids = torch.randint(3, VOCAB, (n,), generator=g)
+        labels = torch.where(torch.rand(n, generator=g) < 0.3, ids, -100)
+        labels[0] = ids[0]
+        data.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    if pack:
+        config.dataloader.pack, config.dataloader.max_length = True, 32
+        loader = torch.utils.data.DataLoader(data, batch_size=4)
+    else:
+        config.dataloader.max_length = 16
+        data = [{k: torch.tensor(v) for k, v in d.items()} for d in data if len(d["input_ids"]) == 16]
+        loader = torch.utils.data.DataLoader(data * 4, batch_size=2)
+    model, loader = accel.accelerate(_masked_model("bert").train(), loader, config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for batch in loader:
+        out = model(**batch)
+        assert (out.logits is None) == fused
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(out.loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_accelerate_trains_a_masked_lm_the_same_compiled(pack):
+    fused, plain = _accelerated_masked_losses(True, pack), _accelerated_masked_losses(False, pack)
     assert len(fused) >= 2
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from tests.distributed._lm_worker import BATCH, LR, new_lm, new_lora_lm, samples
+from tests.distributed._lm_worker import BATCH, LR, masked_samples, new_lm, new_lora_lm, new_mlm, samples
 from tests.distributed.test_accelerate_distributed import WORLD, _launch, assert_same_state
 
 pytest.importorskip("transformers", reason="the fused loss replaces a transformers model's head")
@@ -16,19 +16,20 @@ pytest.importorskip("transformers", reason="the fused loss replaces a transforme
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lm_worker.py")
 MODES = ("ddp", "fsdp")
 LORA_MODES = ("ddp_lora", "fsdp_lora")  # the same with peft's LoRA adapters: the fused loss and FSDP2 through peft
+MLM_MODES = ("ddp_mlm", "fsdp_mlm")  # a masked LM: its decoder, tied to the embeddings, passes its input through
 NO_PEFT = importlib.util.find_spec("peft") is None
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return _launch(tmp_path_factory.mktemp("fused_lm_loss_dist"), MODES + (() if NO_PEFT else LORA_MODES),
-                   worker=WORKER)
+    return _launch(tmp_path_factory.mktemp("fused_lm_loss_dist"),
+                   MODES + MLM_MODES + (() if NO_PEFT else LORA_MODES), worker=WORKER)
 
 
-def _reference(lora: bool = False) -> dict:
-    model = new_lora_lm() if lora else new_lm()
+def _reference(lora: bool = False, masked: bool = False) -> dict:
+    model = new_lora_lm() if lora else new_mlm() if masked else new_lm()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for batch in DataLoader(samples(), batch_size=WORLD * BATCH):
+    for batch in DataLoader(masked_samples() if masked else samples(), batch_size=WORLD * BATCH):
         model(**batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -40,6 +41,13 @@ def _reference(lora: bool = False) -> dict:
 def test_same_weights_as_one_process_without_logits(runs, mode):
     assert runs[mode]["no_logits"]
     assert_same_state(runs[mode]["state"], _reference(), mode)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MLM_MODES)
+def test_masked_lm_same_weights_as_one_process_without_logits(runs, mode):
+    assert runs[mode]["no_logits"]
+    assert_same_state(runs[mode]["state"], _reference(masked=True), mode)
 
 
 @pytest.mark.slow
