@@ -1,5 +1,6 @@
 """transformers' Trainer with a model accel.accelerate() returned: it trains as the plain model does (AdamW, and
-SGD, whose step accel compiles, under the Trainer's learning-rate schedule) and save_model writes what
+SGD, whose step accel compiles, under the Trainer's learning-rate schedule; a masked LM whose forward accel
+replaced, with the fused loss) and save_model writes what
 from_pretrained loads. Run in a subprocess with USE_TORCH_XLA=0, which transformers reads
 at import: where torch_xla is installed, Trainer otherwise moves every model to the XLA device (the case
 accel.compiler.moved_model explains)."""
@@ -68,7 +69,36 @@ loaded = BertForSequenceClassification.from_pretrained(out + "/saved").state_dic
 plain_sgd, _, _ = train(False, "sgd")
 ours_sgd, _, sgd_warnings = train(True, "sgd")
 sgd_graphs = list(graphs)  # the model's graph at step 1, the optimizer step's at step 2, then none
+# A masked LM with memory.fused_lm_loss: the model's forward an instance forward (as compute.bf16's autocast makes it
+# where the CPU has bf16), whose signature Trainer reads to keep the batch's columns (it dropped them all before)
+mlm_config = transformers.BertConfig(**{k: v for k, v in config.to_dict().items() if k in (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+    "max_position_embeddings", "hidden_dropout_prob", "attention_probs_dropout_prob")})
+mlm_data = [{"input_ids": d["input_ids"], "labels": torch.where(torch.rand(16, generator=g) < 0.3, d["input_ids"], -100)}
+            for d in data]
+
+
+def train_mlm(accelerated):
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(mlm_config)
+    if accelerated:
+        settings = accel.Config(backend="cpu")
+        settings.compute.bf16 = False
+        settings.memory.fused_lm_loss = True
+        model = accel.accelerate(model, config=settings)
+    args = TrainingArguments(output_dir=out + "/mlm", max_steps=3, per_device_train_batch_size=4, use_cpu=True,
+                             report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
+                             learning_rate=1e-3)
+    trainer = Trainer(model=model, args=args, train_dataset=mlm_data)
+    trainer.train()
+    return accel.unwrap_model(model).state_dict(), trainer.evaluate(eval_dataset=mlm_data[:8])["eval_loss"]
+
+
+plain_mlm, plain_mlm_eval = train_mlm(False)
+ours_mlm, ours_mlm_eval = train_mlm(True)
 json.dump({"device": device, "shape_warnings": shape_warnings + sgd_warnings,
+           "max_diff_mlm": max((plain_mlm[k] - ours_mlm[k]).abs().max().item() for k in plain_mlm),
+           "eval_diff_mlm": abs(plain_mlm_eval - ours_mlm_eval),
            "sgd_graphs": sgd_graphs, "max_diff_sgd": max((plain_sgd[k] - ours_sgd[k]).abs().max().item() for k in plain_sgd),
            "max_diff": max((plain[k] - ours[k]).abs().max().item() for k in plain),
            "trained": max((plain[k] - initial[k]).abs().max().item() for k in plain),
@@ -92,3 +122,5 @@ def test_trainer_trains_an_accelerated_model_as_the_plain_one(tmp_path):
     assert result["trained"] > 1e-3  # the weights did train...
     assert result["max_diff"] < 1e-4  # ...as the plain model's did (compiled fp32 against eager fp32)
     assert result["keys_equal"] and result["saved_diff"] == 0.0  # save_model wrote the trained weights
+    # a masked LM whose forward accel replaced (the fused loss) trains under the Trainer as the plain one
+    assert result["max_diff_mlm"] < 1e-4 and result["eval_diff_mlm"] < 1e-4

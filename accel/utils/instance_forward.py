@@ -6,12 +6,18 @@ the new forward. The replacement is a plain object (not a closure) so the model 
 Transforms stack: each one calls the forward that was there before it (the class's, or an earlier instance
 forward) through `own`.
 
-What is set is the object's bound `__call__`, not the object: Dynamo guards an instance forward by identity
-unless it is a bound method, whose function (shared by every instance of the transform) it guards instead. So a
-second model built like the first runs the graphs compiled for the first (the same code objects, guards that
-hold) instead of compiling its own.
+What is set is a bound method of the object, not the object: Dynamo guards an instance forward by identity
+unless it is a bound method, whose function it guards by its code. So a second model built like the first runs
+the graphs compiled for the first (the same code objects, guards that hold) instead of compiling its own. The
+function is the object's own copy of its class's `__call__` (the same code) carrying the signature of the forward
+it replaced: `inspect.signature(model.forward)` is what HF Trainer reads to keep the batch's columns the forward
+takes, and a forward of `(*args, **kwargs)` made it drop every one ("You must specify exactly one of input_ids or
+inputs_embeds").
 """
 from __future__ import annotations
+
+import inspect
+import types
 
 from torch import nn
 
@@ -32,8 +38,27 @@ class InstanceForward:
 
     def install(self):
         """Make this the module's forward; returns self."""
-        object.__setattr__(self.module, "forward", self.__call__)
+        object.__setattr__(self.module, "forward", self.bound_forward)
         return self
+
+    @property
+    def bound_forward(self) -> types.MethodType:
+        """`self.__call__`, through a function of its own that shares the class's code and has the replaced
+        forward's signature. Its name is this property's: a pickled or deep-copied module's forward is
+        `getattr(copy of this object, "bound_forward")`, made again for the copy."""
+        call = type(self).__call__
+        function = types.FunctionType(call.__code__, call.__globals__, "bound_forward", call.__defaults__,
+                                      call.__closure__)
+        function.__kwdefaults__ = call.__kwdefaults__
+        function.__qualname__ = f"{type(self).__qualname__}.__call__"
+        replaced = self.inner if self.inner is not None else types.MethodType(type(self.module).forward, self.module)
+        try:
+            signature = inspect.signature(replaced)
+        except (TypeError, ValueError):  # no signature to read: the class's (*args, **kwargs)
+            return types.MethodType(call, self)
+        this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+        function.__signature__ = signature.replace(parameters=[this, *signature.parameters.values()])
+        return types.MethodType(function, self)
 
 
 def installed_forward(module: nn.Module) -> InstanceForward | None:

@@ -69,3 +69,29 @@ def test_a_second_module_runs_the_graph_compiled_for_the_first():
     with torch.compiler.set_stance("fail_on_recompile"):
         out = torch.compile(second)(x)
     torch.testing.assert_close(out, (nn.functional.linear(x, second.inner.weight, second.inner.bias) * 2.0).relu())
+
+
+class _Named(nn.Module):
+    def forward(self, input_ids, attention_mask=None, *, labels=None, **kwargs):
+        return input_ids * 2
+
+
+class _Pass(InstanceForward):
+    def __call__(self, *args, **kwargs):
+        return self.own(*args, **kwargs)
+
+
+def test_the_forward_has_the_signature_it_replaced():
+    """inspect.signature(module.forward) names the replaced forward's parameters, stacked, pickled and copied
+    too: HF Trainer keeps the batch columns it names (with (*args, **kwargs) it dropped every one)."""
+    import inspect
+
+    module = _Named()
+    want = inspect.signature(module.forward)
+    _Pass(module).install()
+    _Times(module, 3.0).install()
+    for each in (module, pickle.loads(pickle.dumps(module)), copy.deepcopy(module)):
+        assert inspect.signature(each.forward) == want
+        assert list(inspect.signature(each.forward).parameters) == ["input_ids", "attention_mask", "labels",
+                                                                    "kwargs"]
+        torch.testing.assert_close(each(torch.ones(2)), torch.full((2,), 6.0))
