@@ -47,18 +47,40 @@ class InstanceForward:
         forward's signature. Its name is this property's: a pickled or deep-copied module's forward is
         `getattr(copy of this object, "bound_forward")`, made again for the copy."""
         call = type(self).__call__
+        signature = self._replaced_signature() if "module" in self.__dict__ else None  # None: being unpickled
+        if signature is None:
+            return types.MethodType(call, self)
         function = types.FunctionType(call.__code__, call.__globals__, "bound_forward", call.__defaults__,
                                       call.__closure__)
         function.__kwdefaults__ = call.__kwdefaults__
         function.__qualname__ = f"{type(self).__qualname__}.__call__"
-        replaced = self.inner if self.inner is not None else types.MethodType(type(self.module).forward, self.module)
-        try:
-            signature = inspect.signature(replaced)
-        except (TypeError, ValueError):  # no signature to read: the class's (*args, **kwargs)
-            return types.MethodType(call, self)
         this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
         function.__signature__ = signature.replace(parameters=[this, *signature.parameters.values()])
         return types.MethodType(function, self)
+
+    def _replaced_signature(self) -> inspect.Signature | None:
+        """The signature of the first forward under this one's stack that is not an InstanceForward (each of
+        those has the signature of what it replaced): the class's, or a user's own; None where there is none to
+        read."""
+        inner = self.inner
+        while isinstance(getattr(inner, "__self__", None), InstanceForward):
+            below = inner.__self__
+            if "inner" not in below.__dict__:
+                return None  # being unpickled
+            inner = below.inner
+        replaced = inner if inner is not None else types.MethodType(type(self.module).forward, self.module)
+        try:
+            return inspect.signature(replaced)
+        except (TypeError, ValueError):
+            return None
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        # Unpickling can reach this object before its module, whose forward was then bound to it before this
+        # state existed (without the signature): bind it again.
+        forward = self.module.__dict__.get("forward")
+        if getattr(forward, "__self__", None) is self and getattr(forward, "__func__", None) is type(self).__call__:
+            object.__setattr__(self.module, "forward", self.bound_forward)
 
 
 def installed_forward(module: nn.Module) -> InstanceForward | None:
