@@ -193,13 +193,21 @@ def test_pickles_and_copies_with_its_state_dict_unchanged():
     torch.testing.assert_close(clone(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels).loss)
 
 
-def _accelerated_losses(fused: bool, pack: bool):
+LENGTHS = (5, 9, 12, 7, 16, 3, 10, 8)  # samples' lengths: 32-token packed rows, or the 16-token ones alone
+
+
+def _causal_samples() -> list[dict]:
+    g = torch.Generator().manual_seed(2)
+    return [{"input_ids": ids, "labels": ids} for ids in (torch.randint(1, VOCAB, (n,), generator=g).tolist()
+                                                          for n in LENGTHS)]
+
+
+def _accelerated_losses(model: torch.nn.Module, data: list[dict], fused: bool, pack: bool):
+    """The losses of training `model` on `data` through accelerate() (compiled, SGD), packed or the 16-token
+    samples alone."""
     config = accel.Config(backend="cpu")
     config.compute.kernels = False
     config.memory.fused_lm_loss = fused
-    g = torch.Generator().manual_seed(2)
-    data = [{"input_ids": ids, "labels": ids} for ids in (torch.randint(1, VOCAB, (n,), generator=g).tolist()
-                                                          for n in (5, 9, 12, 7, 16, 3, 10, 8))]
     if pack:
         config.dataloader.pack, config.dataloader.max_length = True, 32
         loader = torch.utils.data.DataLoader(data, batch_size=4)
@@ -207,7 +215,7 @@ def _accelerated_losses(fused: bool, pack: bool):
         config.dataloader.max_length = 16
         data = [{k: torch.tensor(v) for k, v in d.items()} for d in data if len(d["input_ids"]) == 16]
         loader = torch.utils.data.DataLoader(data * 4, batch_size=2)
-    model, loader = accel.accelerate(_model("llama").train(), loader, config)
+    model, loader = accel.accelerate(model.train(), loader, config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for batch in loader:
@@ -224,7 +232,7 @@ def _accelerated_losses(fused: bool, pack: bool):
 def test_accelerate_trains_the_same_compiled(pack):
     """memory.fused_lm_loss through accelerate() (compiled), with and without packed rows: the same losses
     step after step as the model's own head and loss."""
-    fused, plain = _accelerated_losses(True, pack), _accelerated_losses(False, pack)
+    fused, plain = (_accelerated_losses(_model("llama"), _causal_samples(), on, pack) for on in (True, False))
     assert len(fused) >= 2
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
 
@@ -366,39 +374,20 @@ def test_masked_lm_pickles_and_copies():
         torch.testing.assert_close(out.loss, model(input_ids=ids, labels=labels).loss)
 
 
-def _accelerated_masked_losses(fused: bool, pack: bool):
-    config = accel.Config(backend="cpu")
-    config.compute.kernels = False
-    config.memory.fused_lm_loss = fused
+def _masked_samples() -> list[dict]:
     g = torch.Generator().manual_seed(4)
     data = []
-    for n in (5, 9, 12, 7, 16, 3, 10, 8):
+    for n in LENGTHS:
         ids = torch.randint(3, VOCAB, (n,), generator=g)
         labels = torch.where(torch.rand(n, generator=g) < 0.3, ids, -100)
         labels[0] = ids[0]
         data.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
-    if pack:
-        config.dataloader.pack, config.dataloader.max_length = True, 32
-        loader = torch.utils.data.DataLoader(data, batch_size=4)
-    else:
-        config.dataloader.max_length = 16
-        data = [{k: torch.tensor(v) for k, v in d.items()} for d in data if len(d["input_ids"]) == 16]
-        loader = torch.utils.data.DataLoader(data * 4, batch_size=2)
-    model, loader = accel.accelerate(_masked_model("bert").train(), loader, config)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for batch in loader:
-        out = model(**batch)
-        assert (out.logits is None) == fused
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(out.loss.item())
-    return losses
+    return data
 
 
 @pytest.mark.parametrize("pack", [False, True])
 def test_accelerate_trains_a_masked_lm_the_same_compiled(pack):
-    fused, plain = _accelerated_masked_losses(True, pack), _accelerated_masked_losses(False, pack)
+    fused, plain = (_accelerated_losses(_masked_model("bert"), _masked_samples(), on, pack)
+                    for on in (True, False))
     assert len(fused) >= 2
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
