@@ -63,12 +63,9 @@ def _assert_same_grads(model, reference):
         torch.testing.assert_close(param.grad, want[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2", "opt"])
-def test_training_loss_and_gradients_equal_the_models_own(family, device):
-    model, reference = _pair(family, device)
-    ids, labels = _batch(device)
-    out, want = model(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+def _assert_same_training_call(model, reference, **batch):
+    """A training call of the fused model: no logits, and the reference's output class, loss and gradients."""
+    out, want = model(**batch), reference(**batch)
     assert out.logits is None and type(out) is type(want)
     torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
     out.loss.backward()
@@ -76,13 +73,19 @@ def test_training_loss_and_gradients_equal_the_models_own(family, device):
     _assert_same_grads(model, reference)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2", "opt"])
+def test_training_loss_and_gradients_equal_the_models_own(family, device):
+    model, reference = _pair(family, device)
+    ids, labels = _batch(device)
+    _assert_same_training_call(model, reference, input_ids=ids, labels=labels)
+
+
 def test_tied_embeddings_get_both_gradients():
     model, reference = _pair("llama", tie_word_embeddings=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     ids, labels = _batch()
-    model(input_ids=ids, labels=labels).loss.backward()
-    reference(input_ids=ids, labels=labels).loss.backward()
-    _assert_same_grads(model, reference)
+    _assert_same_training_call(model, reference, input_ids=ids, labels=labels)
 
 
 def test_attention_mask_shift_labels_and_items_in_batch():
@@ -279,29 +282,18 @@ def _masked_batch(device="cpu"):
 def test_masked_lm_loss_and_gradients_equal_the_models_own(family, device):
     model, reference = _masked_pair(family, device)
     ids, labels = _masked_batch(device)
-    out, want = model(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
-    assert out.logits is None and type(out) is type(want)
-    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
-    out.loss.backward()
-    want.loss.backward()
-    _assert_same_grads(model, reference)
+    _assert_same_training_call(model, reference, input_ids=ids, labels=labels)
 
 
 def test_masked_lm_tied_decoder_gets_both_gradients_and_items_follow_the_model():
     """BERT ties its decoder to the word embeddings (both gradients reach the one tensor) and ignores
     num_items_in_batch (its loss is the mean); ModernBERT's loss divides by it: each as the model's own."""
-    model, reference = _masked_pair("bert")
-    assert model.get_output_embeddings().weight is model.bert.embeddings.word_embeddings.weight
     ids, labels = _masked_batch()
-    items = torch.tensor(50)
     for family in ("bert", "modernbert"):
         model, reference = _masked_pair(family)
-        out = model(input_ids=ids, labels=labels, num_items_in_batch=items)
-        want = reference(input_ids=ids, labels=labels, num_items_in_batch=items)
-        torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
-        out.loss.backward()
-        want.loss.backward()
-        _assert_same_grads(model, reference)
+        if family == "bert":
+            assert model.get_output_embeddings().weight is model.bert.embeddings.word_embeddings.weight
+        _assert_same_training_call(model, reference, input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(50))
 
 
 def test_masked_lm_other_calls_are_the_models_own():
