@@ -41,8 +41,8 @@ def _model(family: str, **extra):
 
 
 def _pair(family, device="cpu", **extra):
-    """(fused model, the unchanged model with the same weights), both training."""
-    model = _model(family, **extra).to(device).train()
+    """(fused model, the unchanged model with the same weights), both training: a causal LM, or a masked one."""
+    model = (_masked_model(family, **extra) if family in MASKED_FAMILIES else _model(family, **extra)).to(device).train()
     reference = copy.deepcopy(model)
     assert fuse_lm_loss(model)
     return model, reference
@@ -242,6 +242,9 @@ def test_accelerate_trains_the_same_compiled(pack):
 
 # Masked LMs: the model's own forward runs with its output embeddings passing their input through.
 
+MASKED_FAMILIES = ("bert", "roberta", "distilbert", "albert", "modernbert")
+
+
 def _masked_model(family: str):
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -262,13 +265,6 @@ def _masked_model(family: str):
     return model_class(config_class(**common))
 
 
-def _masked_pair(family, device="cpu"):
-    model = _masked_model(family).to(device).train()
-    reference = copy.deepcopy(model)
-    assert fuse_lm_loss(model)
-    return model, reference
-
-
 def _masked_batch(device="cpu"):
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, VOCAB, (3, 12), generator=g)
@@ -278,9 +274,9 @@ def _masked_batch(device="cpu"):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert", "albert", "modernbert"])
+@pytest.mark.parametrize("family", MASKED_FAMILIES)
 def test_masked_lm_loss_and_gradients_equal_the_models_own(family, device):
-    model, reference = _masked_pair(family, device)
+    model, reference = _pair(family, device)
     ids, labels = _masked_batch(device)
     _assert_same_training_call(model, reference, input_ids=ids, labels=labels)
 
@@ -290,14 +286,14 @@ def test_masked_lm_tied_decoder_gets_both_gradients_and_items_follow_the_model()
     num_items_in_batch (its loss is the mean); ModernBERT's loss divides by it: each as the model's own."""
     ids, labels = _masked_batch()
     for family in ("bert", "modernbert"):
-        model, reference = _masked_pair(family)
+        model, reference = _pair(family)
         if family == "bert":
             assert model.get_output_embeddings().weight is model.bert.embeddings.word_embeddings.weight
         _assert_same_training_call(model, reference, input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(50))
 
 
 def test_masked_lm_other_calls_are_the_models_own():
-    model, reference = _masked_pair("bert")
+    model, reference = _pair("bert")
     ids, labels = _masked_batch()
     with torch.no_grad():  # evaluation with labels: logits and loss
         out, want = model(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
@@ -312,7 +308,7 @@ def test_masked_lm_other_calls_are_the_models_own():
 
 
 def test_masked_lm_head_hooked_or_replaced_is_the_models_own():
-    model, reference = _masked_pair("bert")
+    model, reference = _pair("bert")
     ids, labels = _masked_batch()
     calls = []
     handle = model.get_output_embeddings().register_forward_hook(lambda module, args, out: calls.append(out.shape))
@@ -358,7 +354,7 @@ def test_masked_lm_whose_head_does_more_is_refused():
 
 
 def test_masked_lm_pickles_and_copies():
-    model, _ = _masked_pair("bert")
+    model, _ = _pair("bert")
     ids, labels = _masked_batch()
     for clone in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
         out = clone(input_ids=ids, labels=labels)
