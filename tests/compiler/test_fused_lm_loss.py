@@ -379,3 +379,21 @@ def test_accelerate_trains_a_masked_lm_the_same_compiled(pack):
                     for on in (True, False))
     assert len(fused) >= 2
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_a_second_masked_lm_runs_the_graphs_of_the_first():
+    """The input-through flag and the fused forward are per model, their code shared: a masked LM built like the
+    first (other weights) runs the first one's compiled graphs, with its own loss."""
+    ids, labels = _masked_batch()
+    for seed, stance in ((0, "default"), (1, "fail_on_recompile")):
+        torch.manual_seed(seed)
+        model = transformers.BertForMaskedLM(_masked_model("bert").config)
+        reference = copy.deepcopy(model)
+        config = accel.Config(backend="cpu")
+        config.compute.kernels = False
+        config.memory.fused_lm_loss = True
+        model = accel.accelerate(model, config=config)
+        with torch.compiler.set_stance(stance):
+            out = model(input_ids=ids, labels=labels)
+        assert out.logits is None
+        torch.testing.assert_close(out.loss, reference(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=1e-6)
