@@ -19,8 +19,7 @@ Installed only where it computes what the model's own forward computes: the head
 (`get_output_embeddings()`), and a probe at install time (4 tokens, no gradients, eval mode) compares the
 model's logits and loss with the head's product of those hidden states and its cross entropy; a model whose head
 does more (Gemma 2's logit soft-capping, logit scaling, auxiliary losses of mixture-of-experts models) keeps its
-forward, with a warning. Hooks on the head, added later, also send
-calls to the model's own forward.
+forward, with a warning. Hooks on the head, added later, also send calls to the model's own forward.
 """
 from __future__ import annotations
 
@@ -164,22 +163,17 @@ def causal_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor |
     return token_loss(hidden, head, shift_labels, num_items_in_batch)
 
 
-class _EvalNoGrad:
-    """Every module of a model in eval mode and gradients off, modes restored after (the probes' calls)."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def __enter__(self):
-        self.modes = [(m, m.training) for m in self.model.modules()]
-        self.no_grad = torch.no_grad()
-        self.no_grad.__enter__()
-        self.model.eval()
-
-    def __exit__(self, *exc):
-        for module, training in self.modes:
+@contextlib.contextmanager
+def _eval_no_grad(model: nn.Module):
+    """Every module of `model` in eval mode and gradients off, modes restored after (the probes' calls)."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            model.eval()
+            yield
+    finally:
+        for module, training in modes:
             module.training = training
-        self.no_grad.__exit__(*exc)
 
 
 def _probe_ids(head: nn.Linear) -> torch.Tensor:
@@ -202,7 +196,7 @@ def _probe(model: nn.Module, head: nn.Linear) -> tuple[type | None, str]:
     """(the model's output class, "") where its forward with labels is lm_head(base model) plus the causal-LM
     loss on 4 tokens, else (None, what differs)."""
     ids = _probe_ids(head)
-    with _EvalNoGrad(model):
+    with _eval_no_grad(model):
         own = type(model).forward(model, input_ids=ids, labels=ids, use_cache=False, return_dict=True)
         hidden = model.base_model(input_ids=ids, use_cache=False, return_dict=True)[0]
         why = _compare(own, F.linear(hidden, head.weight, head.bias), causal_lm_loss(hidden, head, ids),
@@ -217,7 +211,7 @@ def _probe_masked(model: nn.Module, head: nn.Linear) -> tuple[type | None, bool,
     ids = _probe_ids(head)
     labels = ids.clone()
     labels[0, 0] = IGNORE_INDEX  # 3 labelled tokens: a mean, a sum and a sum over 1 item differ
-    with _EvalNoGrad(model), _random_bias(head):
+    with _eval_no_grad(model), _random_bias(head):
         own = type(model).forward(model, input_ids=ids, labels=labels, return_dict=True)
         handle = head.register_forward_hook(lambda module, args, output: args[0])
         try:
