@@ -24,7 +24,7 @@ Modes (one row each, in this order, one process)
                  on the CPU fp32 (the guide's amp is CUDA fp16).
   eager-amp      eager with bf16 autocast; skipped (reason recorded) on a CPU without native bf16.
   peer           what a user picks instead: torch.compile(model) (mode="reduce-overhead", i.e. CUDA graphs,
-                 on CUDA), torch.compile(opt.step) of AdamW(fused=True where supported, lr as a tensor so
+                 on CUDA where every batch has one shape; default mode where lengths vary), torch.compile(opt.step) of AdamW(fused=True where supported, lr as a tensor so
                  a new lr does not recompile), bf16 autocast where native else fp32; per-batch padding on
                  the guide workload, as the guide does.
   accel-kernels  accel.runtime.hooks (fused LayerNorm, Philox dropout and Adam; oneDNN Linear where it wins
@@ -45,9 +45,6 @@ Modes (one row each, in this order, one process)
   accel-step-graph  accel's row with compute.step_graph and the step function wrapped in accel.graph_step: the
                  whole step (forward, backward, optimizer step, zero_grad) one CUDA graph replay. CUDA only;
                  only when --modes names it.
-  accel-philox-dropout  accel's row with the model's dropout layers drawing their masks with accel::dropout_mask
-                 in compiled CUDA code too (PhiloxDropout.draw_when_compiled), where accel steps aside for the
-                 dropout Inductor fuses: the A/B of that choice. Only when --modes names it.
   peer-eager-attention  the peer with transformers' "eager" attention instead of SDPA (what accel's
                  compute.cpu_attention picks on a CPU where SDPA's 16-bit flash kernel is slow backwards, chosen
                  by hand). Only when --modes names it.
@@ -148,8 +145,7 @@ from accel.runtime.host_memory import keep_freed_memory, return_freed_memory  # 
 from benchmarks import _report  # noqa: E402
 
 MODES = ("eager", "eager-amp", "peer", "accel-kernels", "accel-xla", "accel")
-EXTRA_MODES = ("accel-model-only", "accel-step-graph", "accel-philox-dropout",
-               "peer-eager-attention")  # run only when --modes names them
+EXTRA_MODES = ("accel-model-only", "accel-step-graph", "peer-eager-attention")  # run only when --modes names them
 BERT_BASE_CASED = dict(vocab_size=28996, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                        intermediate_size=3072, max_position_embeddings=512, type_vocab_size=2, num_labels=2)
 QUICK_BERT = dict(BERT_BASE_CASED, vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -476,7 +472,11 @@ def setup_eager_amp(ctx: Context) -> Run:
 def setup_peer(ctx: Context) -> Run:
     device, dtype = ctx.device, fast_dtype(ctx.device)
     model = copy.deepcopy(ctx.initial_model).to(device)
-    cuda_graphs = device.type == "cuda"
+    # CUDA graphs where every batch has one shape. With a new padded length per batch, cudagraph trees record the
+    # graphs again per length: the H200 causal_lm peer (8 x <= 1024, dynamic=True) ran 144-171 ms steps between
+    # its recompiles, accel 4.8 ms (benchmarks/results/gpu_h200_2026-11-28.md); what a user keeps there is the
+    # default mode.
+    cuda_graphs = device.type == "cuda" and ctx.workload.kind == "fixed"
     options = ctx.workload.peer_cpu_options if device.type == "cpu" else None
     compiled = torch.compile(model, mode="reduce-overhead" if cuda_graphs else None, dynamic=ctx.workload.peer_dynamic,
                              options=options)
@@ -569,11 +569,10 @@ def _batches_as_the_peer_takes_them(ctx: Context, config, device: torch.device) 
 
 
 def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_only: bool = False,
-                step_graph: bool = False, philox_dropout: bool = False) -> Run:
+                step_graph: bool = False) -> Run:
     """accel's row; `model_only`: accelerate(model) alone, the batches taken as the peer takes them (the
     A/B of accelerate()'s loader, its Prefetcher thread included, against none); `step_graph`: the whole step
-    one CUDA graph (compute.step_graph and accel.graph_step); `philox_dropout`: the model's dropout layers
-    draw with accel's mask op in compiled code too."""
+    one CUDA graph (compute.step_graph and accel.graph_step)."""
     import accel
 
     if not hasattr(accel, "accelerate"):
@@ -599,10 +598,6 @@ def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_onl
     else:
         model, loader = accel.accelerate(copy.deepcopy(ctx.initial_model), ctx.workload.loader(), config)
         batches = endless(loader)
-    if philox_dropout:  # before the first call, which compiles
-        from accel.runtime.nn.bias_dropout_add import swap_in_philox_dropout
-
-        swap_in_philox_dropout(model, draw_when_compiled=True)
     opt = torch.optim.AdamW(model.parameters(), lr=ctx.lr)
 
     def step(batch):
@@ -630,8 +625,7 @@ SETUPS = {"eager": setup_eager, "eager-amp": setup_eager_amp, "peer": setup_peer
           "peer-eager-attention": setup_peer_eager_attention,
           "accel-kernels": setup_accel_kernels, "accel-xla": setup_accel_xla, "accel": setup_accel,
           "accel-model-only": lambda ctx: setup_accel(ctx, model_only=True),
-          "accel-step-graph": lambda ctx: setup_accel(ctx, step_graph=True),
-          "accel-philox-dropout": lambda ctx: setup_accel(ctx, philox_dropout=True)}
+          "accel-step-graph": lambda ctx: setup_accel(ctx, step_graph=True)}
 
 
 def setup(mode: str, ctx: Context) -> Run:

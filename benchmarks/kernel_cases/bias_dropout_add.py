@@ -51,8 +51,7 @@ def cases(device: str, quick: bool) -> list[Case]:
                 "torch eager": lambda step=step: step(bias_dropout_add_reference),
                 "torch.compile(ref)": lambda step=step: step(compiled_ref),
             }))
-    return (out + _philox_dropout_cases(device, rows_list) + _compiled_cases(device, rows_list)
-            + _mask_source_cases(device, rows_list))
+    return out + _philox_dropout_cases(device, rows_list) + _compiled_cases(device, rows_list)
 
 
 def _softmax_dropout(dropout):
@@ -107,24 +106,6 @@ def _compiled_cases(device: str, rows_list) -> list[Case]:
 
     return _before_a_layer_norm("bias_dropout_add compiled, before a LayerNorm, fwd+bwd", graph(bias_dropout_add),
                                 graph(bias_dropout_add_reference), "compiled reference", device, rows_list, 6)
-
-
-def _mask_source_cases(device: str, rows_list) -> list[Case]:
-    """A transformer's hidden dropout as BERT runs it, LayerNorm(dropout(x) + residual), compiled, forward +
-    backward: the mask from accel::dropout_mask (PhiloxDropout.draw_when_compiled: one memory-bound kernel
-    drawing 4 numbers a Philox) against nn.Dropout's, which Inductor draws inside its fused kernel (on CUDA
-    one Philox an element). What bert_base's accel-philox-dropout row measures, one layer's worth. Traffic:
-    the forward reads x and r and writes the output; the backward reads g and writes dx and dr."""
-    import torch.nn.functional as F
-
-    def graph(dropout):
-        return torch.compile(lambda x, r, w, b: F.layer_norm(dropout(x) + r, (HIDDEN,), w, b), dynamic=False)
-
-    ours_dropout = PhiloxDropout(P)
-    ours_dropout.draw_when_compiled = True
-    return _before_a_layer_norm("dropout+add+LayerNorm compiled, mask from accel, fwd+bwd", graph(ours_dropout),
-                                graph(torch.nn.Dropout(P)), "compiled nn.Dropout (Inductor's mask)", device,
-                                rows_list, 5)
 
 
 def host_cases(device: str) -> list[Case]:

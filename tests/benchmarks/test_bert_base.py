@@ -103,16 +103,6 @@ def test_accel_step_graph_captures_on_cuda_and_is_skipped_elsewhere(tmp_path):
     assert "accel-step-graph" not in bert_base.parse_args([]).modes  # only when named
 
 
-@pytest.mark.slow
-def test_accel_philox_dropout_row_trains_with_the_mask_op(tmp_path):
-    # its own masks (accel's Philox), so only the loss check's dropout-noise tolerance ties it to eager
-    status, result = _run(tmp_path, "--workload", "fixed", "--modes", "eager,accel-philox-dropout")
-    assert status == 0
-    _assert_rows(result, ["fixed 4x32"], ["eager", "accel-philox-dropout"])
-    assert {r["mode"]: r for r in result["rows"]}["accel-philox-dropout"]["status"] == "ok"
-    assert "accel-philox-dropout" not in bert_base.parse_args([]).modes  # only when named
-
-
 def test_headline_rows_run_first_and_a_spent_budget_skips_the_rest(tmp_path):
     order = bert_base.run_order(2, ["eager", "peer", "accel-kernels", "accel"])
     assert order == [(0, "peer"), (0, "accel"), (1, "peer"), (1, "accel"),

@@ -25,7 +25,9 @@ def _model(name: str, attention: str = "sdpa", layers: int = 2):
                               attention_dropout=0.0, seq_classif_dropout=0.0, max_position_embeddings=64,
                               num_labels=3)
     else:
-        config = config_class(vocab_size=99, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+        # FlexAttention: heads of 16 (Inductor's on CUDA refuses narrower ones: "embedding dimension ... at least 16")
+        heads = 2 if attention == "flex_attention" else 4
+        config = config_class(vocab_size=99, hidden_size=32, num_hidden_layers=layers, num_attention_heads=heads,
                               intermediate_size=37, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                               max_position_embeddings=64, num_labels=3, embedding_size=32)
     config._attn_implementation = attention

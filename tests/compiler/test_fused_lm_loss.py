@@ -205,10 +205,11 @@ def _causal_samples() -> list[dict]:
                                                           for n in LENGTHS)]
 
 
-def _accelerated_losses(model: torch.nn.Module, data: list[dict], fused: bool, pack: bool):
+def _accelerated_losses(model: torch.nn.Module, data: list[dict], fused: bool, pack: bool, device: str = "cpu"):
     """The losses of training `model` on `data` through accelerate() (compiled, SGD), packed or the 16-token
-    samples alone."""
-    config = accel.Config(backend="cpu")
+    samples alone. On CUDA CUDA graphs replay the compiled model, the fused loss's opaque op (and the compiled
+    slice functions inside it) among its kernels."""
+    config = accel.Config(backend=device)
     config.compute.kernels = False
     config.memory.fused_lm_loss = fused
     if pack:
@@ -231,11 +232,12 @@ def _accelerated_losses(model: torch.nn.Module, data: list[dict], fused: bool, p
     return losses
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pack", [False, True])
-def test_accelerate_trains_the_same_compiled(pack):
+def test_accelerate_trains_the_same_compiled(pack, device):
     """memory.fused_lm_loss through accelerate() (compiled), with and without packed rows: the same losses
     step after step as the model's own head and loss."""
-    fused, plain = (_accelerated_losses(_model("llama"), _causal_samples(), on, pack) for on in (True, False))
+    fused, plain = (_accelerated_losses(_model("llama"), _causal_samples(), on, pack, device) for on in (True, False))
     assert len(fused) >= 2
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
 
@@ -373,9 +375,10 @@ def _masked_samples() -> list[dict]:
     return data
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pack", [False, True])
-def test_accelerate_trains_a_masked_lm_the_same_compiled(pack):
-    fused, plain = (_accelerated_losses(_masked_model("bert"), _masked_samples(), on, pack)
+def test_accelerate_trains_a_masked_lm_the_same_compiled(pack, device):
+    fused, plain = (_accelerated_losses(_masked_model("bert"), _masked_samples(), on, pack, device)
                     for on in (True, False))
     assert len(fused) >= 2
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)

@@ -428,8 +428,9 @@ def _decoder(family, attn_implementation):
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=64, max_position_embeddings=32, sliding_window=24,
             attn_implementation=attn_implementation))
+    # heads of 16: Inductor's FlexAttention on CUDA refuses narrower ones ("embedding dimension ... at least 16")
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
         intermediate_size=64, max_position_embeddings=32, attn_implementation=attn_implementation))
 
 
@@ -805,9 +806,10 @@ def _cuda_varlen_model(family, attn_pdrop=0.0):
     return model.train()
 
 
-def _close_in_norm(got, want, tol):
-    """Within tol of want, relative to want's norm (16-bit kernels round element by element)."""
-    assert (got.float() - want.float()).norm() <= tol * want.float().norm(), (got, want)
+def _close_in_norm(got, want, tol, floor=0.0):
+    """Within tol of want, relative to want's norm or floor where that is larger (16-bit kernels round element by
+    element; a gradient that is 0 in exact arithmetic, as a key bias's under softmax, is rounding noise alone)."""
+    assert (got.float() - want.float()).norm() <= tol * max(want.float().norm(), floor), (got, want)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -838,8 +840,9 @@ def test_cuda_varlen_computes_each_packed_sample_alone(monkeypatch, family, devi
         return
     _close_in_norm(out.logits, want.logits, 2e-2)
     _close_in_norm(out.loss, want.loss, 1e-2)
+    largest = max(param.grad.float().norm() for param in masked.model.parameters())
     for name, param in packed.model.named_parameters():
-        _close_in_norm(param.grad, reference[name].grad, 5e-2)
+        _close_in_norm(param.grad, reference[name].grad, 5e-2, floor=1e-3 * largest)
 
 
 def test_cuda_varlen_keeps_the_mask_where_the_kernel_cannot_follow(monkeypatch):

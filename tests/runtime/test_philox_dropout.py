@@ -234,15 +234,6 @@ def test_compiled_code_draws_with_inductor_on_cuda_only(device):
         assert not accel_ops(ops) and any("dropout" in op or "bernoulli" in op or "rand" in op for op in ops), ops
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_a_module_drawing_when_compiled_takes_the_mask_op_on_cuda_too(device):
-    _ops()
-    m = PhiloxDropout(0.3)
-    m.draw_when_compiled = True
-    assert accel_ops(traced_ops(m, device)) == {"accel.dropout_mask.default"}
-    assert not PhiloxDropout(0.3).draw_when_compiled  # the class default: an instance's setting is its own
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_dropouts_of_one_shape_in_a_compiled_training_graph_draw_their_own_masks(device):
     """Two layers, and one layer called twice, with equal shapes and p: AOTAutograd's common-subexpression pass
@@ -253,8 +244,7 @@ def test_dropouts_of_one_shape_in_a_compiled_training_graph_draw_their_own_masks
     class Three(nn.Module):
         def __init__(self):
             super().__init__()
-            self.a, self.b = PhiloxDropout(0.5), PhiloxDropout(0.5)
-            self.a.draw_when_compiled = self.b.draw_when_compiled = True  # CUDA draws with the op too
+            self.a, self.b = PhiloxDropout(0.5), PhiloxDropout(0.5)  # CUDA: Inductor's own dropout
 
         def forward(self, x):
             return self.a(x), self.b(x), self.a(x * 2)
@@ -276,9 +266,10 @@ def test_dropouts_of_one_shape_in_a_compiled_training_graph_draw_their_own_masks
 def test_cuda_graph_replays_of_the_compiled_mask_op_draw_new_masks():
     # torch.compile(mode="reduce-overhead") replays the graph it recorded: the op must take a new Philox offset
     # from the generator at every replay (graph-safe state), not the recorded one
-    m = PhiloxDropout(0.25)
-    m.draw_when_compiled = True
-    fn = torch.compile(lambda x: m(x) * 2, mode="reduce-overhead", fullgraph=True)
+    # (the op itself: compiled CUDA code of accel's layers takes Inductor's dropout, _inductor_draws)
+    ops = _ops()
+    fn = torch.compile(lambda x: ops.dropout_mask(list(x.shape), 0.25, device=x.device, call=1) * x * (2 / 0.75),
+                       mode="reduce-overhead", fullgraph=True)
     x = torch.ones(256, 1024, device="cuda")
     outs = [fn(x).clone() for _ in range(5)]  # warm-up, recording, then replays
     masks = [o != 0 for o in outs]
@@ -293,10 +284,8 @@ def test_swap_in_philox_dropout_changes_this_model_only():
     model, other = (nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.2), nn.Sequential(nn.Dropout(0.4))) for _ in range(2))
     swap_in_philox_dropout(model)
     assert [type(m) for m in model.modules() if isinstance(m, nn.Dropout)] == [PhiloxDropout] * 2
-    assert model[1].p == 0.2 and model[2][0].p == 0.4 and not model[1].draw_when_compiled
+    assert model[1].p == 0.2 and model[2][0].p == 0.4
     assert all(type(m) is not PhiloxDropout for m in other.modules())
-    swap_in_philox_dropout(model, draw_when_compiled=True)  # layers swapped before too
-    assert model[1].draw_when_compiled and model[2][0].draw_when_compiled
 
 
 class TestPhiloxDropoutModule:

@@ -145,8 +145,10 @@ def _inductor_draws(x: torch.Tensor) -> bool:
     Philox) inside the kernel it fuses around it, and an opaque op of ours would only split that kernel: a
     compiled softmax + dropout with accel::dropout_mask ran at 0.80x of the same with F.dropout on an H200
     at 1M fp32 (benchmarks/results/kernels_cuda_h200_run2.json; its 16M bf16 0.92x was timed eagerly past
-    Dynamo's recompile limit). So under compile on CUDA the plain ops run. On the CPU Inductor draws a
-    scalar Philox per element, and ours stays (module docstring)."""
+    Dynamo's recompile limit). So under compile on CUDA the plain ops run. Drawing the mask with our kernel anyway
+    (4 draws a Philox against Inductor's one) lost end to end: BERT-base 32x128 on an H200 8.8 ms a step against
+    8.2 (gpu_h200_2026-11-28.md). On the CPU Inductor draws a scalar Philox per element, and ours stays (module
+    docstring)."""
     return torch.compiler.is_compiling() and x.device.type == "cuda"
 
 
@@ -212,12 +214,6 @@ def philox_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inpla
         Tensor[x.shape]: mask * x / (1 - p), mask a bool tensor with each element true with probability
         1 - p; dropped elements are multiplied by 0, so NaN and inf propagate as in torch's dropout.
     """
-    return _philox_dropout(x, p, training, inplace, draw_when_compiled=False)
-
-
-def _philox_dropout(x, p, training, inplace, draw_when_compiled: bool):
-    """philox_dropout; `draw_when_compiled`: CUDA code under torch.compile draws with accel::dropout_mask too
-    (PhiloxDropout.draw_when_compiled)."""
     if training and not inplace and not torch.compiler.is_compiling():
         # the call a model makes every step in training, checked and run in C++ (None: anything else)
         y = _build.entries("bias_dropout_add", _register).dropout(x, p)
@@ -227,7 +223,7 @@ def _philox_dropout(x, p, training, inplace, draw_when_compiled: bool):
     if not training or p == 0.0:
         return x
     if (inplace or p == 1.0 or not isinstance(x, torch.Tensor) or not x.is_floating_point() or not use_kernel(x)
-            or (_inductor_draws(x) and not draw_when_compiled)):
+            or _inductor_draws(x)):
         return F.dropout(x, p, training, inplace)
     mask = _ops().dropout_mask(x.shape, float(p), device=x.device, call=dropout_mask_call())
     return mask * x * (1.0 / (1.0 - p))
@@ -250,28 +246,16 @@ class PhiloxDropout(_TorchDropout):
 
     A subclass of torch's own Dropout class (imported from its defining module, which
     accel.runtime.hooks never patches), so isinstance(m, nn.Dropout) stays true.
-
-    `draw_when_compiled` (False; set it on an instance or the class): CUDA code under torch.compile draws the
-    mask with accel::dropout_mask as well, one memory-bound kernel writing a byte an element that Inductor's
-    kernel then reads, instead of stepping aside for the dropout Inductor fuses into its kernel (_inductor_draws),
-    where each element's random number costs a Philox of its own (an H100's fused LayerNorm + dropout kernels of
-    BERT-base ran at about their Philox's instruction count, not their bytes). For measuring that choice:
-    benchmarks/bert_base.py's accel-philox-dropout row.
     """
 
-    draw_when_compiled = False
-
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return _philox_dropout(input, self.p, self.training, self.inplace, self.draw_when_compiled)
+        return philox_dropout(input, self.p, self.training, self.inplace)
 
 
-def swap_in_philox_dropout(model: torch.nn.Module, draw_when_compiled: bool = False) -> None:
+def swap_in_philox_dropout(model: torch.nn.Module) -> None:
     """Makes the torch nn.Dropout layers of `model` PhiloxDropout (same attributes: only where the mask comes
-    from differs), this model's layers only (no process-wide hook); `draw_when_compiled` sets that attribute
-    on every PhiloxDropout layer of the model."""
+    from differs), this model's layers only (no process-wide hook)."""
     for module in model.modules():
         if type(module) is _TorchDropout:
             module.__class__ = PhiloxDropout
-        if draw_when_compiled and type(module) is PhiloxDropout:
-            module.draw_when_compiled = True
 
