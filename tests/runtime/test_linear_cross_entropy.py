@@ -23,7 +23,8 @@ def small_chunks(monkeypatch):
     """Slices as large as the tests' [33, 16] hidden states: 16 vocabulary entries, a vocabulary of 50 in four
     slices, the last one short."""
     monkeypatch.setattr(lce_module, "CHUNK_ELEMENTS", 1)
-    assert chunk_columns(33, 50, 16) == 16
+    monkeypatch.setattr(lce_module, "CUDA_CHUNK_ELEMENTS", 1)
+    assert chunk_columns(33, 50, 16) == chunk_columns(33, 50, 16, "cuda") == 16
 
 
 def _inputs(device, dtype=torch.float64, rows=33, hidden=16, vocab=50, bias=True, ignored=(0, 5, 6, 20)):
@@ -62,6 +63,9 @@ def test_chunk_columns_bound_a_slices_logits():
     assert chunk_columns(16384, 128256, 4096) == 4096  # a large model's slice: as large as its hidden states
     assert chunk_columns(10, 50, 16) == 50  # one slice: the whole vocabulary
     assert chunk_columns(1 << 30, 50, 1) == 1  # more tokens than the budget: one entry at a time
+    # CUDA: larger slices, fewer calls (two for a small Llama's packed batch with Llama 2's vocabulary)
+    assert chunk_columns(2048, 32000, 512, "cuda") == lce_module.CUDA_CHUNK_ELEMENTS // 2048 == 16384
+    assert chunk_columns(16384, 128256, 4096, "cuda") == 4096
 
 
 def test_hand_computed_loss_and_gradient():

@@ -36,13 +36,19 @@ REDUCTIONS = ("mean", "sum")
 # Elements of a slice's logits, at least: 16 MiB in fp32 (measured on a 2-core CPU: 1.08-1.17x the unfused compiled
 # loss's time at 4M elements, 1.25-1.35x at 16M, noisier and no faster at 2M).
 CHUNK_ELEMENTS = 1 << 22
+# On CUDA 128 MiB: each slice is two calls of compiled code whose host time outlasts a small slice's kernels (an
+# H200 took 9.3 ms for 2048 x 512 -> 32000 in 16 slices a pass, against 0.8 ms for the unfused compiled loss,
+# gpu_h200_2026-11-28.md); a GPU holds such a slice easily, and the unfused logits are still many times larger.
+CUDA_CHUNK_ELEMENTS = 1 << 25
 
 
-def chunk_columns(rows: int, vocab: int, hidden: int = 0) -> int:
-    """Vocabulary entries per slice for `rows` tokens: slices of CHUNK_ELEMENTS logits, or as many as the [rows,
-    hidden] hidden states hold where that is more (large models on a GPU: fewer, larger products, and a slice
-    never larger than a tensor the step holds anyway). At least one entry, at most the vocabulary."""
-    return min(vocab, max(1, max(CHUNK_ELEMENTS, rows * hidden) // max(rows, 1)))
+def chunk_columns(rows: int, vocab: int, hidden: int = 0, device_type: str = "cpu") -> int:
+    """Vocabulary entries per slice for `rows` tokens: slices of CHUNK_ELEMENTS logits (CUDA_CHUNK_ELEMENTS on
+    CUDA), or as many as the [rows, hidden] hidden states hold where that is more (large models on a GPU: fewer,
+    larger products, and a slice never larger than a tensor the step holds anyway). At least one entry, at most
+    the vocabulary."""
+    least = CUDA_CHUNK_ELEMENTS if device_type == "cuda" else CHUNK_ELEMENTS
+    return min(vocab, max(1, max(least, rows * hidden) // max(rows, 1)))
 
 
 def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -130,7 +136,7 @@ def _forward_rows(hidden, weight, bias, safe_target) -> tuple[torch.Tensor, torc
     running_sum = torch.zeros_like(running_max)
     picked = torch.zeros_like(running_max)
     step = _slice_fn(_forward_slice, hidden.device)
-    cols = chunk_columns(rows, vocab, hidden.shape[1])
+    cols = chunk_columns(rows, vocab, hidden.shape[1], hidden.device.type)
     with torch.autocast(hidden.device.type, enabled=False):
         for start in range(0, vocab, cols):
             sl = slice(start, start + cols)
@@ -199,7 +205,7 @@ def _backward_rows(hidden, weight, bias, safe_target, lse, row_grad, want_hidden
     grad_weight = _SliceGradient(weight, want_weight)
     grad_bias = _SliceGradient(bias, want_bias)
     step = _slice_fn(_backward_slice, hidden.device)
-    cols = chunk_columns(rows, vocab, hidden.shape[1])
+    cols = chunk_columns(rows, vocab, hidden.shape[1], hidden.device.type)
     with torch.autocast(hidden.device.type, enabled=False):
         for start in range(0, vocab, cols):
             sl = slice(start, start + cols)
