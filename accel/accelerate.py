@@ -450,7 +450,7 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
         from accel.compiler.packed import PackedModel
 
         model = PackedModel(model, first_tokens_only=config.compute.first_token_only,
-                            cuda_varlen=config.compute.cuda_varlen_attention)
+                            cuda_attention=config.compute.cuda_packed_attention)
     else:
         if config.compute.first_token_only:
             from accel.compiler.first_token import first_token_only

@@ -24,6 +24,7 @@ from typing import Optional
 BACKENDS = ("auto", "xla", "cuda", "cpu")
 CPU_GEMM_LIBRARIES = ("auto", "onednn", "torch")
 CPU_ATTENTION = ("auto", "plain", "sdpa")
+CUDA_PACKED_ATTENTION = ("mask", "varlen", "flex")
 DEFAULT_PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "labels": -100}
 
 
@@ -122,14 +123,18 @@ class ComputeConfig(_Section):
         until it wins: BERT-base bf16 training on a 2-core AVX512-BF16 CPU, compiled, alternating steps
         (2026-11-27): 0.96x, 1.02x at 8x128 and 0.97x at 32x128, i.e. noise. To be measured on a GPU, where
         small products leave tensor cores idle (`bert_base.py --modes accel,accel:compute.fuse_qkv=true`).
-    cuda_varlen_attention: under dataloader.pack on CUDA, a transformers model's self-attention with "sdpa" computes
-        each packed sample alone by torch's FlashAttention varlen kernel (torch 2.10+, compute capability 8.0+;
-        accel.runtime.nn.varlen_attention.flash_varlen_attention; causal decoders with sliding windows and
-        grouped key/value heads too) instead of SDPA over the whole row with the [B, 1, L, L] document mask, whose
-        cost grows with the row and not with its samples. Calls the kernel does not take keep the mask: attention
-        dropout while training (BERT's, GPT-2's), fp32, head sizes over 256. Off until it wins on a GPU
-        (`causal_lm.py --modes peer,accel,accel:compute.cuda_varlen_attention=true`); the CPU always computes
-        packed samples alone (compute.cpu_attention).
+    cuda_packed_attention: under dataloader.pack on CUDA, how a transformers model's self-attention with "sdpa"
+        keeps packed samples apart: "mask" (SDPA over the whole row with the [B, 1, L, L] document mask, whose cost
+        grows with the row and not with its samples), "varlen" (each sample alone by torch's FlashAttention varlen
+        kernel: torch 2.10+, compute capability 8.0+, accel.runtime.nn.varlen_attention.flash_varlen_attention; 16-bit,
+        head sizes up to 256) or "flex" (FlexAttention with the rows' document BlockMask, which skips the blocks no
+        sample sees: accel.compiler.flex_rows; heads of 16 or more). Sliding windows and grouped key/value heads
+        either way; calls a kernel does not take keep the mask (attention dropout while training, BERT's and
+        GPT-2's). On an H200 (2026-11-28, bf16 forward + backward, causal rows of 1024 and 4096, 32 heads of 128):
+        SDPA with the mask 1.94 / 12.8 ms, varlen 1.35 / 3.57, FlexAttention 0.79 / 2.10; a small packed Llama's
+        step (rows of 1024, host-bound) varlen 0.84x the mask. "mask" until a model's step shows the others win
+        (`causal_lm.py --size 1b --max-length 4096 --modes accel,accel:compute.cuda_packed_attention=flex`); the CPU
+        always computes packed samples alone (compute.cpu_attention).
     step_graph: the training step will be one CUDA graph, captured by accel.graph_step around the user's
         step function (accel.compiler.step_graph): the model is compiled without graphs of its own (one
         capture cannot hold another's replays) and optimizers built over it get a device-tensor learning rate
@@ -176,7 +181,7 @@ class ComputeConfig(_Section):
     recompile_guard: bool = False
     first_token_only: bool = True
     fuse_qkv: bool = False
-    cuda_varlen_attention: bool = False
+    cuda_packed_attention: str = "mask"
     step_graph: bool = False
     cpu_gemm: str = "auto"
     cpu_attention: str = "auto"
@@ -184,7 +189,7 @@ class ComputeConfig(_Section):
 
     def _check(self) -> None:
         for f in fields(self):
-            if f.name not in ("cpu_gemm", "cpu_attention", "inductor_options"):
+            if f.name not in ("cpu_gemm", "cpu_attention", "cuda_packed_attention", "inductor_options"):
                 _check_bool(self._name(f.name), getattr(self, f.name))
         if self.cpu_gemm not in CPU_GEMM_LIBRARIES:
             raise ValueError(f"compute.cpu_gemm: expected one of {', '.join(map(repr, CPU_GEMM_LIBRARIES))}, "
@@ -192,6 +197,9 @@ class ComputeConfig(_Section):
         if self.cpu_attention not in CPU_ATTENTION:
             raise ValueError(f"compute.cpu_attention: expected one of {', '.join(map(repr, CPU_ATTENTION))}, "
                              f"got {self.cpu_attention!r}")
+        if self.cuda_packed_attention not in CUDA_PACKED_ATTENTION:
+            raise ValueError("compute.cuda_packed_attention: expected one of "
+                             f"{', '.join(map(repr, CUDA_PACKED_ATTENTION))}, got {self.cuda_packed_attention!r}")
         _check_inductor_options("compute.inductor_options", self.inductor_options)
         if self.fp16 and self.bf16:
             raise ValueError("compute.fp16 and compute.bf16 are exclusive: set at most one")

@@ -9,13 +9,15 @@ peer and accel modes, one process, same weights and seed); see its docstring. Th
 dynamic=True: one graph for every padded length.
 
 Model: transformers' LlamaForCausalLM from a config (hidden 512, 8 layers, 8 heads, 4 key/value heads,
-intermediate 1376, vocabulary 32000 or --vocab; --quick: a tiny one), random weights, nothing downloaded.
+intermediate 1376, vocabulary 32000 or --vocab; --size 1b: Llama 3.2 1B's shape, hidden 2048, 16 layers, 32 heads
+of 64, 8 key/value heads, intermediate 8192, where attention over long rows (--max-length 4096) weighs as in the
+models users fine-tune; --quick: a tiny one), random weights, nothing downloaded.
 Data: seeded lognormal lengths (median 180 tokens, sigma 0.8, as instruction-tuning sets spread), clipped to
 [16, --max-length]; the labels are the token ids, and with --prompt-fraction F the first F of each sample is a
 prompt the loss ignores (labels -100: instruction tuning's completion-only loss).
 
     python benchmarks/causal_lm.py [--quick] [--modes eager,peer,accel] [--steps N] [--batch B] [--attn flex_attention]
-                                   [--vocab V] [--prompt-fraction F] [--lora R]
+                                   [--vocab V] [--prompt-fraction F] [--lora R] [--size 1b] [--max-length L]
 
 Writes benchmarks/results/causal_lm_<device>.json and .png.
 """
@@ -39,6 +41,8 @@ LLAMA = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attenti
              intermediate_size=1376, max_position_embeddings=2048)
 QUICK_LLAMA = dict(LLAMA, vocab_size=500, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, intermediate_size=64)
+SIZES = {"small": LLAMA, "1b": dict(LLAMA, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                                    num_key_value_heads=8, intermediate_size=8192)}
 
 
 class Workload(bert_base.Workload):
@@ -101,10 +105,12 @@ def make_samples(lengths: list[int], vocab: int, seed: int, prompt_fraction: flo
     return samples
 
 
-def model_config(quick: bool, vocab: int | None = None) -> dict:
-    config = dict(QUICK_LLAMA if quick else LLAMA)
+def model_config(quick: bool, vocab: int | None = None, size: str = "small", max_length: int = 0) -> dict:
+    """The Llama config of --quick or --size, with --vocab, and positions for rows of max_length tokens."""
+    config = dict(QUICK_LLAMA if quick else SIZES[size])
     if vocab:
         config["vocab_size"] = vocab
+    config["max_position_embeddings"] = max(config["max_position_embeddings"], max_length)
     return config
 
 
@@ -178,6 +184,9 @@ def parse_args(argv=None):
                                              "share of the step, which memory.fused_lm_loss computes in chunks")
     ap.add_argument("--prompt-fraction", type=float, default=0.0,
                     help="the first fraction of each sample is a prompt the loss ignores (labels -100)")
+    ap.add_argument("--size", choices=tuple(SIZES), default="small",
+                    help="the Llama's shape: small (hidden 512, 8 layers) or 1b (Llama 3.2 1B's, 1.2B parameters "
+                         "with the 32000 vocabulary)")
     ap.add_argument("--quick", action="store_true", help="tiny Llama, batch 4, rows of 64, 2 steps")
     ap.add_argument("--out", help="result file name without extension (default causal_lm_<cpu|cuda>)")
     ap.add_argument("--results-dir", type=Path, default=_report.RESULTS)
@@ -187,8 +196,8 @@ def parse_args(argv=None):
     args.device = torch.device(args.device or bert_base.default_device())
     if not 0.0 <= args.prompt_fraction < 1.0:
         ap.error(f"--prompt-fraction: expected a fraction in [0, 1), got {args.prompt_fraction}")
-    args.out = args.out or (f"causal_lm_{args.device.type}" + ("" if args.attn == "sdpa" else f"_{args.attn}")
-                            + check_lora(ap, args))
+    args.out = args.out or (f"causal_lm_{args.device.type}" + ("" if args.size == "small" else f"_{args.size}")
+                            + ("" if args.attn == "sdpa" else f"_{args.attn}") + check_lora(ap, args))
     return args
 
 
@@ -196,7 +205,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     env = _report.environment(str(args.device))
     env["keep_freed_memory"] = args.device.type == "cpu" and keep_freed_memory()  # as bert_base.py
-    config = model_config(args.quick, args.vocab)
+    config = model_config(args.quick, args.vocab, args.size, args.max_length)
     model = build_model(config, args.seed, args.attn)
     if args.lora:
         model = lora_model(model, args.lora)
@@ -207,7 +216,7 @@ def main(argv=None) -> int:
     # 'tmp2' was not declared; fixed by 2.13), and a static graph per padded length recompiles every step.
     workload = Workload("causal", args.batch, args.max_length,
                         make_samples(lengths, vocab, args.seed, args.prompt_fraction), peer_dynamic=True)
-    print(f"Llama {'quick (tiny)' if args.quick else 'config'} ({args.attn}) on {env['device']}: {workload.name}, "
+    print(f"Llama {'quick (tiny)' if args.quick else args.size} ({args.attn}) on {env['device']}: {workload.name}, "
           f"{len(lengths)} samples of median {sorted(lengths)[len(lengths) // 2]} tokens; modes {','.join(args.modes)}",
           flush=True)
     ctx = bert_base.Context(model, workload, args.device, args.lr)

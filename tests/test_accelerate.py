@@ -830,13 +830,13 @@ def test_pack_gives_packed_rows_and_the_loss_of_the_samples_alone(fuse_qkv):
     assert sorted(seen) == sorted(LENGTHS)  # every sample exactly once
 
 
-@pytest.mark.parametrize("cuda_varlen", [False, True], ids=["per_sample", "cuda_varlen"])
-def test_pack_trains_a_causal_lm_on_each_sample_alone(monkeypatch, cuda_varlen):
+@pytest.mark.parametrize("cuda_attention", ["mask", "varlen"])
+def test_pack_trains_a_causal_lm_on_each_sample_alone(monkeypatch, cuda_attention):
     """dataloader.pack with a causal language model (compiled, as accelerate() runs it by default): each packed
     batch's loss is the loss over the same samples' tokens computed alone, no token learning across a boundary.
-    compute.cuda_varlen_attention reaches the packed model: on the CPU through the varlen kernel's reference
-    (tests/_varlen_kernel.py), once a layer."""
-    calls = varlen_kernel(monkeypatch) if cuda_varlen else []
+    compute.cuda_packed_attention="varlen" reaches the packed model: on the CPU through the varlen kernel's reference
+    (tests/_varlen_kernel.py), once a layer ("mask": the CPU's own per-sample attention)."""
+    calls = varlen_kernel(monkeypatch) if cuda_attention == "varlen" else []
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
     torch.manual_seed(0)
@@ -844,7 +844,7 @@ def test_pack_trains_a_causal_lm_on_each_sample_alone(monkeypatch, cuda_varlen):
     data = [{"input_ids": s["input_ids"], "labels": s["input_ids"]} for s in samples(LENGTHS)]
     config = cpu_config(kernels=False)
     config.dataloader.pack, config.dataloader.max_length = True, 32
-    config.compute.cuda_varlen_attention = cuda_varlen
+    config.compute.cuda_packed_attention = cuda_attention
     model, wrapped = accel.accelerate(copy.deepcopy(ref), torch.utils.data.DataLoader(data, batch_size=4), config)
     seen = []
     for batch in wrapped:
@@ -861,7 +861,7 @@ def test_pack_trains_a_causal_lm_on_each_sample_alone(monkeypatch, cuda_varlen):
                 start += n
         torch.testing.assert_close(loss, expected / targets, rtol=1e-4, atol=1e-5)
     assert sorted(seen) == sorted(LENGTHS)
-    assert bool(calls) == cuda_varlen
+    assert bool(calls) == (cuda_attention == "varlen")
 
 
 @pytest.mark.parametrize("on", [True, False])

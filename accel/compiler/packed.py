@@ -24,8 +24,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from accel.compiler import flex_rows
 from accel.compiler.first_token import last_layer_rows, sees_every_position
-from accel.compiler.unpadded_attention import ACCEL_SDPA, CU_SEQLENS, SDPA, SEGMENT_IDS, SEGMENTS_CAUSAL
+from accel.compiler.unpadded_attention import (
+    ACCEL_SDPA,
+    CU_SEQLENS,
+    FLEX_MASKS,
+    SDPA,
+    SEGMENT_IDS,
+    SEGMENTS_CAUSAL,
+)
+from accel.config import CUDA_PACKED_ATTENTION
 from accel.data.packing import LABEL_PAD, block_diagonal_mask, static_cu_seqlens
 from accel.runtime.nn import varlen_attention
 from accel.utils.modules import acts_as_linear
@@ -197,10 +206,12 @@ class PackedModel(nn.Module):
             called as it is, its transformers model read for the rest.
         first_tokens_only: let a sequence classifier's last layer compute only the samples' tokens its head reads
             (accelerate()'s compute.first_token_only). Outputs and gradients are the same either way.
-        cuda_varlen: on CUDA, an "accel_sdpa" model's self-attention computes each sample alone by torch's
-            FlashAttention varlen kernel (torch 2.10+, compute capability 8.0+; accelerate()'s
-            compute.cuda_varlen_attention) for batches that carry seq_lens, where the call allows it (no attention
-            dropout while training, 16-bit, a head size up to 256); elsewhere the document mask.
+        cuda_attention: how an "accel_sdpa" model's self-attention keeps packed samples apart on CUDA
+            (accelerate()'s compute.cuda_packed_attention): "mask" (SDPA with the document mask), "varlen" (each
+            sample alone by torch's FlashAttention varlen kernel, torch 2.10+ and compute capability 8.0+, for
+            batches that carry seq_lens) or "flex" (FlexAttention with the rows' document BlockMask,
+            accel.compiler.flex_rows), each where the call allows it (no attention dropout while training; varlen:
+            16-bit, heads up to 256; flex: heads of 16 or more); elsewhere the document mask.
 
     Raises:
         ValueError: an encoder-decoder model, ALiBi attention, a PEFT prompt-learning model, an encoder head on a
@@ -208,7 +219,7 @@ class PackedModel(nn.Module):
             for regression / multi-label or without a first-token pooler.
     """
 
-    def __init__(self, model: nn.Module, first_tokens_only: bool = True, cuda_varlen: bool = False):
+    def __init__(self, model: nn.Module, first_tokens_only: bool = True, cuda_attention: str = "mask"):
         super().__init__()
         config = getattr(model, "config", None)
         if not isinstance(model, nn.Module) or config is None:
@@ -250,7 +261,10 @@ class PackedModel(nn.Module):
                              f"*{', *'.join(_TOKEN_HEADS + CAUSAL_LM_HEADS)} and *{_SEQUENCE_HEAD}")
         self.model = wrapper
         self._inner = (model,)  # a tuple: not a second registration of the same submodule
-        self.cuda_varlen = cuda_varlen
+        if cuda_attention not in CUDA_PACKED_ATTENTION:
+            raise ValueError(f"cuda_attention: expected one of {', '.join(map(repr, CUDA_PACKED_ATTENTION))}, "
+                             f"got {cuda_attention!r}")
+        self.cuda_attention = cuda_attention
         # Whether extra keyword arguments reach the attention functions (transformers 5's **kwargs)
         self._passes_kwargs = all(_takes_var_keywords(type(m).forward)
                                   for m in dict.fromkeys((wrapper, model, model.base_model)))
@@ -314,8 +328,8 @@ class PackedModel(nn.Module):
                 classification: one class id per segment [B, S] in segment order, -100 for missing segments.
             seq_lens: optional [B, S] sample lengths in row order, 0-padded (from PackedDataset, agreeing with
                 segment_ids). Its shape fixes S for sequence classification without labels (otherwise S =
-                segment_ids.max(), a host sync that also breaks a torch.compile graph); with cuda_varlen its
-                values give the kernel's sample offsets.
+                segment_ids.max(), a host sync that also breaks a torch.compile graph); with cuda_attention
+                "varlen" its values give the kernel's sample offsets.
             **kwargs: passed to the model (e.g. output_hidden_states). attention_mask, cu_seqlens and
                 max_seqlen are refused: the mask is built here from segment_ids.
 
@@ -360,7 +374,8 @@ class PackedModel(nn.Module):
             local = document_mask(segment_ids, backend, dtype=self.model.dtype, causal=True, window=window)
             # transformers' models with local and global layers take one mask per kind of layer
             mask = local if every_layer else {"full_attention": mask, "sliding_attention": local}
-        if (self.cuda_varlen and backend == ACCEL_SDPA and seq_lens is not None and self._passes_kwargs
+        per_sample = backend == ACCEL_SDPA and self._passes_kwargs
+        if (per_sample and self.cuda_attention == "varlen" and seq_lens is not None
                 and varlen_attention.flash_varlen_runs_on(input_ids.device)):
             # ACCEL_SDPA's attention computes each sample alone on CUDA by FlashAttention's varlen kernel, over
             # offsets of a static shape; the mask stays for the calls that kernel does not take (attention dropout,
@@ -369,7 +384,14 @@ class PackedModel(nn.Module):
                 raise ValueError(f"seq_lens must be [B={input_ids.shape[0]}, S], got {tuple(seq_lens.shape)}")
             kwargs[SEGMENT_IDS], kwargs[SEGMENTS_CAUSAL] = segment_ids, decoder
             kwargs[CU_SEQLENS] = static_cu_seqlens(seq_lens, input_ids.shape[1])
-        elif backend == ACCEL_SDPA and input_ids.device.type == "cpu" and self._passes_kwargs:
+        elif per_sample and self.cuda_attention == "flex" and flex_rows.flex_runs_on(input_ids.device):
+            # ACCEL_SDPA's attention takes FlexAttention with these BlockMasks where the call fits, the dense mask
+            # elsewhere (attention dropout, a first-token-only last layer, narrow heads)
+            kwargs[SEGMENT_IDS], kwargs[SEGMENTS_CAUSAL] = segment_ids, decoder
+            kwargs[FLEX_MASKS] = {None: document_mask(segment_ids, FLEX, causal=decoder)}
+            if window is not None and window < input_ids.shape[1]:
+                kwargs[FLEX_MASKS][window] = document_mask(segment_ids, FLEX, causal=True, window=window)
+        elif per_sample and input_ids.device.type == "cpu":
             # and on the CPU by accel.runtime.nn.varlen_attention: the work of the samples, not of the whole row
             # masked; a layer with a sliding window (Gemma's local layers: each names its window, as every
             # transformers model with local layers does) cuts it inside each sample

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from torch.nn.modules.dropout import Dropout as _TorchDropout
 
+from accel.compiler.flex_rows import flex_document_attention, flex_fits
 from accel.utils.timing import best_time
 from accel.utils.transformers_models import is_transformers_model
 
@@ -56,8 +57,10 @@ ACCEL_SDPA = "accel_sdpa"
 # whether its document mask is causal (a decoder's).
 SEGMENT_IDS = "accel_segment_ids"
 SEGMENTS_CAUSAL = "accel_segments_causal"
-# On CUDA, with compute.cuda_varlen_attention: the rows' static cu_seqlens (accel.data.packing.static_cu_seqlens)
+# On CUDA, with compute.cuda_packed_attention "varlen": the rows' static cu_seqlens (accel.data.packing.static_cu_seqlens)
 CU_SEQLENS = "accel_cu_seqlens"
+# With "flex": the rows' document BlockMasks by sliding window (None: full attention; accel.compiler.flex_rows)
+FLEX_MASKS = "accel_flex_masks"
 # Set by unpadded_attention on a model's modules that hold its config or a sub-config (its attention modules among
 # them): whether their bidirectional 16-bit training attention on the CPU takes plain ops (see the module docstring).
 PLAIN_TRAINING = "_accel_plain_training"
@@ -198,13 +201,14 @@ def _per_sample(module: nn.Module, query, key, segments, dropout: float, kwargs:
 
 def _attention(sdpa_forward):
     """transformers' SDPA attention function; per sample for packed rows given their segment ids (SEGMENT_IDS,
-    from PackedModel): varlen_attention on the CPU, torch's FlashAttention varlen kernel on CUDA given their
-    cu_seqlens too (CU_SEQLENS); or _plain_attention while training with the module's own dropout layer (encoder
-    self-attention with as many key as query heads, nothing else asked of SDPA)."""
+    from PackedModel): varlen_attention on the CPU, on CUDA torch's FlashAttention varlen kernel given their
+    cu_seqlens too (CU_SEQLENS) or FlexAttention given their BlockMasks (FLEX_MASKS); or _plain_attention while
+    training with the module's own dropout layer (encoder self-attention with as many key as query heads, nothing
+    else asked of SDPA)."""
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         segments, causal = kwargs.pop(SEGMENT_IDS, None), kwargs.pop(SEGMENTS_CAUSAL, False)
-        cu_seqlens = kwargs.pop(CU_SEQLENS, None)
+        cu_seqlens, flex_masks = kwargs.pop(CU_SEQLENS, None), kwargs.pop(FLEX_MASKS, None)
         windows = _sample_windows(module, kwargs) if segments is not None else []
         if (segments is not None and _per_sample(module, query, key, segments, dropout, kwargs)
                 and (causal or not windows)):
@@ -213,6 +217,10 @@ def _attention(sdpa_forward):
             # causal as the document mask it replaces is (not as the module says: some do not say); a call's
             # keyword and its module name one window (Mistral's, a Qwen or Gemma layer's) or none
             window = min(windows, default=None)
+            block_mask = _window_mask(flex_masks, window, query.shape[2])
+            if block_mask is not None and flex_fits(query, key):
+                out = flex_document_attention(query, key, value, block_mask, scale=scaling)
+                return out.transpose(1, 2).contiguous(), None
             if cu_seqlens is not None and varlen.flash_varlen_fits(query, key):
                 out = varlen.flash_varlen_attention(query, key, value, cu_seqlens, is_causal=causal, scale=scaling,
                                                     window=window)
@@ -231,6 +239,14 @@ def _attention(sdpa_forward):
         return _plain_attention(query, key, value, attention_mask, scaling, layer), None
 
     return attention
+
+
+def _window_mask(flex_masks: dict | None, window: int | None, length: int):
+    """The BlockMask of FLEX_MASKS for a call's sliding window (a window as long as the row cuts nothing), or None
+    where there is none for it."""
+    if flex_masks is None:
+        return None
+    return flex_masks.get(window if window is not None and window < length else None)
 
 
 def _register() -> bool:

@@ -15,10 +15,10 @@ size. In the model the alternative is SDPA with the mask (ACCEL_SDPA), which our
 Ours computes each sample the way accelerate()'s compute.cpu_attention="auto" picks on this machine (plain
 products where the probe finds them faster than SDPA's flash kernel, else the flash kernel); the other way is a
 row of its own among the peers, the A/B of that choice.
-On CUDA (compute.cuda_varlen_attention) ours is torch's FlashAttention varlen kernel over static offsets
-(flash_varlen_attention, torch 2.10+), against SDPA with the document mask (eager and compiled) and FlexAttention
-with the document's BlockMask (compiled), on the same rows (bf16; the causal LM rows with Llama's 32 heads of 128
-over 8 key/value heads): the A/B that decides whether accelerate() switches packed rows to it by default."""
+On CUDA (compute.cuda_packed_attention="varlen") ours is torch's FlashAttention varlen kernel over static offsets
+(flash_varlen_attention, torch 2.10+), against SDPA with the document mask (eager and compiled, what "mask" runs)
+and FlexAttention with the document's BlockMask (compiled, what "flex" runs), on the same rows (bf16; the causal
+LM rows with Llama's 32 heads of 128 over 8 key/value heads)."""
 import math
 
 import torch

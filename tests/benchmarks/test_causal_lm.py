@@ -66,3 +66,18 @@ def test_collator_pads_ids_masks_and_labels_as_a_causal_lm_expects():
     assert batch["labels"].tolist() == [[5, 6, 7], [8, LABEL_PAD, LABEL_PAD]]
     lengths = causal_lm.instruction_lengths(1000, 512, seed=0)
     assert min(lengths) >= 16 and max(lengths) == 512 and 120 < sorted(lengths)[500] < 260
+
+
+def test_sizes_and_long_rows_shape_the_config():
+    """--size 1b is Llama 3.2 1B's shape: 1,235,814,400 parameters with its 128256 vocabulary and tied embeddings
+    (its published 1.24B), untied here (the benchmark's LlamaConfig default) one embedding more; rows longer
+    than the config's positions get positions for them."""
+    import transformers
+
+    config = causal_lm.model_config(quick=False, vocab=128256, size="1b", max_length=4096)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    assert sum(p.numel() for p in model.parameters()) == 1_235_814_400 + 128256 * 2048
+    assert config["max_position_embeddings"] == 4096
+    assert causal_lm.model_config(quick=False)["max_position_embeddings"] == causal_lm.LLAMA["max_position_embeddings"]
+    assert causal_lm.parse_args(["--size", "1b", "--device", "cpu"]).out == "causal_lm_cpu_1b"

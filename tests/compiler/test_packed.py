@@ -775,7 +775,7 @@ def test_packed_distilbert_classifier_matches_each_sample_alone(backend):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-# compute.cuda_varlen_attention: on CUDA, "accel_sdpa" self-attention over packed rows by torch's FlashAttention varlen
+# compute.cuda_packed_attention="varlen": on CUDA, "accel_sdpa" self-attention over packed rows by torch's FlashAttention varlen
 # kernel, given static cu_seqlens. On the CPU the kernel is replaced by its plain reference
 # (accel.runtime.nn.varlen_attention.reference_varlen_attn) and fp32 let through: what PackedModel and the attention
 # function hand the kernel (offsets, causality, windows, grouped heads) is checked exactly; on a GPU, torch's own.
@@ -819,7 +819,7 @@ def test_cuda_varlen_computes_each_packed_sample_alone(monkeypatch, family, devi
     are the document mask's (CPU: exactly, fp32; CUDA: bf16 autocast, each within 16-bit rounding)."""
     calls = varlen_kernel(monkeypatch, device)
     model = _cuda_varlen_model(family).to(device)
-    packed, masked = PackedModel(model, cuda_varlen=True), PackedModel(copy.deepcopy(model))
+    packed, masked = PackedModel(model, cuda_attention="varlen"), PackedModel(copy.deepcopy(model))
     masked._passes_kwargs = False  # the document mask alone
     samples = _samples("token") if family == "bert" else _causal_samples(seed=2)
     if family in ("mistral_window", "gemma3"):
@@ -849,7 +849,7 @@ def test_cuda_varlen_keeps_the_mask_where_the_kernel_cannot_follow(monkeypatch):
     """Attention dropout while training (GPT-2's attn_pdrop): the kernel has none, so the mask stays; in eval the
     kernel computes. A batch without seq_lens keeps the mask too (no static offsets to give)."""
     calls = varlen_kernel(monkeypatch)
-    packed = PackedModel(_cuda_varlen_model("gpt2", attn_pdrop=0.1), cuda_varlen=True)
+    packed = PackedModel(_cuda_varlen_model("gpt2", attn_pdrop=0.1), cuda_attention="varlen")
     _, batch = _packed(_causal_samples(), "cpu")
     packed(**batch)
     assert calls == []
@@ -881,7 +881,7 @@ def test_cuda_varlen_compiles_into_one_graph(monkeypatch):
     kernel.register_fake(lambda q, k, v, cu, max_q, max_k, scale, left, right: torch.empty_like(q))
     monkeypatch.setattr(va, "torch_varlen", lambda q, k, v, cu, cu_k, max_q, max_k, scale, window_size, **_:
                         kernel(q, k, v, cu, max_q, max_k, scale, *window_size))
-    packed = PackedModel(_cuda_varlen_model("llama"), cuda_varlen=True).eval()
+    packed = PackedModel(_cuda_varlen_model("llama"), cuda_attention="varlen").eval()
     _, batch = _packed(_causal_samples(), "cpu")
     torch._dynamo.reset()
     with torch.no_grad():

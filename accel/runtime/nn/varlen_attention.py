@@ -7,7 +7,7 @@ kernel has no variable-length form, so `varlen_attention` calls it once per samp
 without a mask, causal where asked: the work of each sample alone. Forward and backward are torch.library ops
 (`accel::varlen_attention_fwd` / `_bwd`, fake kernels, autograd formula), opaque to a compiled graph, whose
 lengths they read on the host. On CUDA `flash_varlen_attention` (below) gives packed rows torch's FlashAttention
-varlen kernel instead, where accelerate()'s compute.cuda_varlen_attention asks for it.
+varlen kernel instead, where accelerate()'s compute.cuda_packed_attention="varlen" asks for it.
 
 `plain=True` computes the backward of each sample shorter than PLAIN_BACKWARD_BELOW in plain products instead
 (the probabilities recomputed from the forward's logsumexp, as the flash kernel's backward does, from fp32

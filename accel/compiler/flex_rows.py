@@ -1,0 +1,61 @@
+"""FlexAttention over packed rows on CUDA: each sample's attention, the blocks no sample sees skipped.
+
+With compute.cuda_packed_attention="flex", PackedModel gives the "accel_sdpa" attention of a packed batch its
+rows' document BlockMasks (accel.compiler.packed.document_mask with "flex_attention", built once a forward: one
+for full attention, and one for the model's sliding window where it has one), and the attention calls
+FlexAttention with them wherever the call fits (`flex_fits`); other calls keep SDPA with the dense document mask.
+Why: SDPA with a [B, 1, L, L] mask computes every block of the row, so its cost grows with the row's length
+squared, not with its samples'. On an H200 (2026-11-28, bf16 forward + backward, causal, 32 heads of 128): rows
+of 1024 holding 49 samples 1.94 ms with the mask, 0.79 ms FlexAttention; rows of 4096 12.8 against 2.10 ms
+(benchmarks/results/kernels_cuda_h200_run4_varlen_lce.json).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+# Inductor's FlexAttention lowering on CUDA refuses narrower heads ("NYI: embedding dimension of the query, key,
+# and value must be at least 16", torch 2.11)
+MIN_HEAD_DIM = 16
+
+
+def flex_runs_on(device: torch.device) -> bool:
+    """Whether packed rows take FlexAttention on `device`: CUDA (on the CPU Inductor has no FlexAttention backward
+    in torch 2.9, pytorch/pytorch#169224, and packed samples take accel's own per-sample attention there)."""
+    return device.type == "cuda"
+
+
+def flex_fits(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether flex_document_attention takes these [B, H, L, D] queries and keys: a device it runs on,
+    self-attention over one length, heads of MIN_HEAD_DIM or more, key heads dividing the query heads."""
+    return (query.shape[-1] >= MIN_HEAD_DIM and query.shape[2] == key.shape[2] and query.shape[1] % key.shape[1] == 0
+            and flex_runs_on(query.device))
+
+
+@functools.cache
+def _compiled_flex_attention():
+    # outside a compiled graph FlexAttention runs its unfused reference (every score materialised): compiled once
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask,
+                            scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T scale) v over the keys block_mask allows each query (grouped key/value heads shared by
+    their query heads).
+
+    Args:
+        query: [B, H, L, D]; key, value: [B, Hkv, L, D] with Hkv dividing H (flex_fits).
+        block_mask: a BlockMask of shape (B, 1, L, L) (every head alike).
+        scale: the scores' factor; None: 1 / sqrt(D).
+
+    Returns:
+        [B, H, L, D] in the products' dtype: autocast's where it is on (FlexAttention is not an autocast op, and a
+        Llama's rotary embedding may hand it fp32 queries beside 16-bit values), else the queries'.
+    """
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    query, key, value = (t.to(dtype) for t in (query, key, value))
+    attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
+    return attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
