@@ -218,7 +218,7 @@ def _compile(model: nn.Module, backend: str, device: torch.device, cuda_graphs: 
     """Compile `model` in place (`hf`: the transformers model inside it, if any); returns the watch of its call
     shapes (watch_shapes), else None."""
     from accel.compiler.batch_shapes import watch_call_shapes
-    from accel.compiler.decoding import eager_when_decoding
+    from accel.compiler.decoding import eager_when_decoding, no_cache_when_training
     from accel.compiler.moved_model import explain_failures_after_a_move
     from accel.compiler.problem_type import settle_problem_type
     from accel.utils.dynamo import guard_module_hooks, make_room_for_recompiles
@@ -236,6 +236,7 @@ def _compile(model: nn.Module, backend: str, device: torch.device, cuda_graphs: 
     explain_failures_after_a_move(model, device)  # e.g. moved to the XLA device, where Inductor cannot compile
     if hf is not None:  # a classifier's first call writes config.problem_type: done before it, no second compile
         settle_problem_type(model, hf)
+        no_cache_when_training(model, hf)  # a cache hides packed position ids from transformers' masks
     # no loader to watch: the calls, for shapes that keep changing
     call_shapes = watch_call_shapes(model) if watch_shapes else None
     if graphs:  # a .grad kept past its step (zero_grad(set_to_none=False), micro-batches) must outlive replays

@@ -1,4 +1,6 @@
-"""Generation runs uncompiled: a model compiled for training would recompile for every generated token.
+"""A compiled model and its key/value cache: generation runs uncompiled, training calls build no cache.
+
+Generation runs uncompiled: a model compiled for training would recompile for every generated token.
 
 accelerate() compiles the model with static shapes, one graph per batch shape of training and evaluation.
 transformers' generate() calls the same model with a key/value cache that grows by a token a call, so each
@@ -8,9 +10,20 @@ Dynamo's recompile limit and uncompiled calls) where its plain forward takes wel
 argument name, or a `past_key_values` of older transformers) run the model's own forward, and every other
 call the compiled one. generate() with transformers' static cache and its own compile_config still compiles:
 it compiles its own call of the model, through which this choice is traced as plain Python.
+
+Training calls build no cache: transformers' decoders build one whenever use_cache is on (their config's default),
+in training too unless gradient checkpointing is on. A training step never reads it, and while there is one
+transformers does not look for packed rows in the position ids (masking_utils reads them only without a cache):
+rows packed by DataCollatorWithFlattening or TRL's packing (position ids restarting at each sample, no attention
+mask) then attend across their samples, silently. `no_cache_when_training(model, hf)` gives the training calls of
+the compiled model (training mode, gradients on) that pass neither use_cache nor a cache use_cache=False, as
+PackedModel's rows have.
 """
 from __future__ import annotations
 
+import inspect
+
+import torch
 from torch import nn
 
 from accel.compiler.compiled_call import wrap_compiled_call
@@ -43,3 +56,31 @@ def eager_when_decoding(model: nn.Module) -> None:
         return call
 
     wrap_compiled_call(model, wrap)
+
+
+def no_cache_when_training(model: nn.Module, hf: nn.Module) -> bool:
+    """Let training calls of `model` (compiled by `model.compile()`; `hf` the transformers model inside it) that
+    pass neither use_cache nor a key/value cache run with use_cache=False. Returns whether it did: False where
+    `hf`'s forward takes no use_cache or its config has it off already.
+
+    Raises:
+        ValueError: the model was not compiled with `model.compile()`.
+    """
+    try:
+        takes_use_cache = "use_cache" in inspect.signature(type(hf).forward).parameters
+    except (TypeError, ValueError):
+        takes_use_cache = False
+    if not takes_use_cache or not getattr(getattr(hf, "config", None), "use_cache", False):
+        return False
+
+    def wrap(compiled):
+        def call(*args, **kwargs):
+            if ("use_cache" not in kwargs and model.training and torch.is_grad_enabled()
+                    and not carries_kv_cache(args, kwargs)):
+                kwargs["use_cache"] = False
+            return compiled(*args, **kwargs)
+
+        return call
+
+    wrap_compiled_call(model, wrap)
+    return True

@@ -8,7 +8,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import accel
-from accel.compiler.decoding import carries_kv_cache, eager_when_decoding
+from accel.compiler.decoding import carries_kv_cache, eager_when_decoding, no_cache_when_training
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,3 +54,50 @@ def test_calls_with_a_cache_are_told_apart():
 def test_only_a_compiled_module_is_accepted():
     with pytest.raises(ValueError, match="model: expected a module compiled"):
         eager_when_decoding(torch.nn.Linear(2, 2))
+
+
+def _flattened_rows(lengths=(5, 7, 4), rows=2):
+    """Rows as DataCollatorWithFlattening and TRL's packing make them: samples side by side, position ids restarting
+    at each, no attention mask; (batch, the samples of each row)."""
+    g = torch.Generator().manual_seed(1)
+    samples = [[torch.randint(1, 97, (n,), generator=g) for n in lengths] for _ in range(rows)]
+    ids = torch.stack([torch.cat(row) for row in samples])
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(rows, -1)
+    return {"input_ids": ids, "position_ids": positions, "labels": ids}, samples
+
+
+def test_training_on_flattened_rows_attends_within_each_sample():
+    """accelerate()'s compiled Llama in training: each flattened sample's logits are those it has alone (no cache
+    built, so transformers reads the packed position ids), and the loss is the plain call's with use_cache=False."""
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64, attn_implementation="sdpa")).train()
+    assert plain.config.use_cache
+    batch, samples = _flattened_rows()
+    model = accel.accelerate(copy.deepcopy(plain), config=accel.Config(backend="cpu"))
+    out = model(**batch)
+    assert out.past_key_values is None
+    for r, row in enumerate(samples):
+        start = 0
+        for ids in row:
+            alone = plain(input_ids=ids.unsqueeze(0)).logits[0]
+            torch.testing.assert_close(out.logits[r, start:start + len(ids)], alone, rtol=1e-4, atol=1e-5)
+            start += len(ids)
+    torch.testing.assert_close(out.loss, plain(**batch, use_cache=False).loss, rtol=1e-5, atol=1e-6)
+    out.loss.backward()  # a training step runs as usual
+    with torch.no_grad():  # other calls keep the model's default: evaluation builds its cache
+        assert model(input_ids=batch["input_ids"][:, :5]).past_key_values is not None
+
+
+def test_models_without_a_cache_are_left_alone():
+    bert = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37))
+    bert.compile()
+    assert not no_cache_when_training(bert, bert)  # its forward takes no use_cache
+    gpt2 = _gpt2()
+    gpt2.config.use_cache = False
+    gpt2.compile()
+    assert not no_cache_when_training(gpt2, gpt2)  # off already
+    with pytest.raises(ValueError, match="model: expected a module compiled"):
+        no_cache_when_training(_gpt2(), _gpt2())
