@@ -1010,7 +1010,7 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=("cuda", "cpu"), help="device of the eager/peer/kernels modes")
-    ap.add_argument("--budget-s", type=float, help="skip the rows that would start after this many seconds")
+    add_budget_argument(ap)
     ap.add_argument("--quick", action="store_true", help="tiny BERT, batch 4, seq 32, 2 steps (the test suite's)")
     ap.add_argument("--model", choices=MODELS, default="bert",
                     help="bert (BERT-base, cased) or distilbert (DistilBERT-base: 6 layers, no token types)")
@@ -1079,6 +1079,20 @@ def run_order(n_workloads: int, modes: list[str]) -> list[tuple[int, str]]:
     return headline + [p for p in pairs if p not in headline]
 
 
+def add_budget_argument(ap: argparse.ArgumentParser) -> None:
+    """--budget-s, for a run under a time limit (a GPU session's call): it ends with its table and files."""
+    ap.add_argument("--budget-s", type=float, help="skip the rows that would start after this many seconds")
+
+
+def run_or_skip(mode: str, ctx: Context, args, started: float) -> dict:
+    """run_mode, or a skipped row where --budget-s seconds have passed since `started`."""
+    budget = getattr(args, "budget_s", None)
+    if budget is not None and time.perf_counter() - started > budget:
+        return {"workload": ctx.workload.name, "mode": mode, "status": "skipped",
+                "reason": f"time budget (--budget-s {budget:g}) spent"}
+    return run_mode(mode, ctx, args)
+
+
 def run_rows(workloads: list[Workload], initial_model, args, started: float,
              on_row: Callable[[list[dict]], object]) -> tuple[list[list[dict]], list[float]]:
     """Every requested mode on every workload, in run_order (on_row sees all rows so far after each one);
@@ -1091,11 +1105,7 @@ def run_rows(workloads: list[Workload], initial_model, args, started: float,
         return [[done[(w, m)] for m in args.modes if (w, m) in done] for w in range(len(workloads))]
 
     for w, mode in run_order(len(workloads), args.modes):
-        if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
-            done[(w, mode)] = {"workload": workloads[w].name, "mode": mode, "status": "skipped",
-                               "reason": f"time budget (--budget-s {args.budget_s:g}) spent"}
-            continue
-        done[(w, mode)] = run_mode(mode, contexts[w], args)
+        done[(w, mode)] = run_or_skip(mode, contexts[w], args, started)
         on_row([row for rows in in_table_order() for row in rows])
     tables = in_table_order()
     for rows in tables:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -163,6 +164,7 @@ def add_workload_arguments(ap: argparse.ArgumentParser, modes: tuple[str, ...]) 
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=("cuda", "cpu"), help="device of the eager and peer modes")
+    bert_base.add_budget_argument(ap)
     ap.add_argument("--lora", type=int, default=0, metavar="R",
                     help="fine-tune LoRA adapters of rank R (peft) on every projection instead of all weights")
 
@@ -228,7 +230,8 @@ def main(argv=None) -> int:
 def run_one_workload(ctx: bert_base.Context, args, env: dict, model: dict, title: str) -> int:
     """bert_base.py's rows of args.modes on ctx's one workload: table, loss check, <args.out>.json and plots
     (this benchmark's and vit_base.py's main). Returns the exit status: 1 when the loss check fails."""
-    rows = [bert_base.run_mode(mode, ctx, args) for mode in args.modes]
+    started = time.perf_counter()
+    rows = [bert_base.run_or_skip(mode, ctx, args, started) for mode in args.modes]
     bert_base.add_speedups(rows)
     bert_base.print_workload(ctx.workload.name, rows)
     problems = bert_base.check_losses(rows, bert_base.FIRST_LOSS_TOL)

@@ -74,6 +74,7 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=("cuda", "cpu"), help="device of the eager and peer modes")
+    bert_base.add_budget_argument(ap)
     ap.add_argument("--quick", action="store_true", help="tiny ViT (32 px, 17 tokens), batch 4, 2 steps")
     ap.add_argument("--out", help="result file name without extension (default vit_base_<cpu|cuda>)")
     ap.add_argument("--results-dir", type=Path, default=_report.RESULTS)

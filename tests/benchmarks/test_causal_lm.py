@@ -81,3 +81,21 @@ def test_sizes_and_long_rows_shape_the_config():
     assert config["max_position_embeddings"] == 4096
     assert causal_lm.model_config(quick=False)["max_position_embeddings"] == causal_lm.LLAMA["max_position_embeddings"]
     assert causal_lm.parse_args(["--size", "1b", "--device", "cpu"]).out == "causal_lm_cpu_1b"
+
+
+def test_a_spent_budget_skips_the_rows_that_would_start_after_it(tmp_path, monkeypatch):
+    """--budget-s (a GPU call's time limit): a row that would start after it is skipped with the reason, and the run
+    still writes its table and JSON. Here the first row "takes" 10 s of a 5 s budget."""
+    import time
+
+    from benchmarks import bert_base
+
+    times = [0.0, 0.0, 10.0]  # started, before the first row, before the second (and after)
+    monkeypatch.setattr(time, "perf_counter", lambda: times.pop(0) if len(times) > 1 else times[0])
+    monkeypatch.setattr(bert_base, "run_mode", lambda mode, ctx, args: {
+        "workload": ctx.workload.name, "mode": mode, "status": "skipped", "reason": "stand-in"})
+    assert causal_lm.main(["--quick", "--modes", "eager,accel", "--budget-s", "5", "--results-dir", str(tmp_path),
+                           "--out", "budget"]) == 0
+    rows = json.loads((tmp_path / "budget.json").read_text())["rows"]
+    assert [(r["mode"], r["reason"]) for r in rows] == [("eager", "stand-in"),
+                                                        ("accel", "time budget (--budget-s 5) spent")]

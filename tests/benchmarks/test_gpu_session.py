@@ -77,7 +77,9 @@ def test_single_workload_benchmarks_run_only_when_named_with_their_arguments(tmp
     proc, out = _session(tmp_path, name, **{variable: "--modes peer,accel"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _steps_run(out) == [name]
-    assert (out / f"{name}.log").read_text().split() == [f"benchmarks/{name}.py", "--modes", "peer,accel"]
+    # a 200 s step (300 s for model_families, which paces itself): rows stop starting 100 s before its end
+    paced = [] if name == "model_families" else ["--budget-s", "100"]
+    assert (out / f"{name}.log").read_text().split() == [f"benchmarks/{name}.py", *paced, "--modes", "peer,accel"]
     default = tmp_path / "default"
     default.mkdir()
     proc, out = _session(default, None, session_s=60)
@@ -148,4 +150,4 @@ def test_causal_lm_runs_only_when_named_and_takes_its_arguments(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _steps_run(out) == ["causal_lm"]
     args = (out / "causal_lm.log").read_text().split()
-    assert args[:1] == ["benchmarks/causal_lm.py"] and args[1:] == ["--steps", "3", "--modes", "peer,accel"]
+    assert args == ["benchmarks/causal_lm.py", "--budget-s", "140", "--steps", "3", "--modes", "peer,accel"]
