@@ -211,7 +211,7 @@ benchmark_step() {  # name, default budget in seconds, the benchmark's arguments
 }
 # shellcheck disable=SC2086  # each *_ARGS is a list of words
 {
-  if want causal_lm; then benchmark_step causal_lm 240 ${CAUSAL_ARGS:-}; fi
+  if want causal_lm; then benchmark_step causal_lm 420 ${CAUSAL_ARGS:-}; fi
   if want vit_base; then benchmark_step vit_base 200 ${VIT_ARGS:-}; fi
   if want decoder_classifier; then benchmark_step decoder_classifier 200 ${CLASSIFIER_ARGS:-}; fi
   if want model_families; then benchmark_step model_families 300 ${FAMILIES_ARGS:-}; fi

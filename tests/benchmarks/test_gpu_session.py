@@ -150,4 +150,4 @@ def test_causal_lm_runs_only_when_named_and_takes_its_arguments(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _steps_run(out) == ["causal_lm"]
     args = (out / "causal_lm.log").read_text().split()
-    assert args == ["benchmarks/causal_lm.py", "--budget-s", "140", "--steps", "3", "--modes", "peer,accel"]
+    assert args == ["benchmarks/causal_lm.py", "--budget-s", "320", "--steps", "3", "--modes", "peer,accel"]
