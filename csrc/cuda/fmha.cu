@@ -1,10 +1,11 @@
 // Fused Swin window attention scores on CUDA: softmax(attn + relative_pos_bias + attn_mask) over the
 // last dim, and its backward (see csrc/cpu/fmha.cpp for the schemas and shapes).
 //
-// Forward: one warp per row of N <= 1024 scores, two rows at a time; the warps are persistent and load their
-// next two rows while they reduce the current ones (memory-level parallelism). Each lane keeps its ceil(N/32)
-// values in registers (KPT, a template parameter picked from N), so attn is read once and the output written
-// once; the max and the sum are fp32 (fp64 for double) warp-shuffle reductions. bias/mask rows are tiny and
+// Forward: a row of N <= 1024 scores takes 8, 16 or 32 lanes (LANES, by N), each keeping its ceil(N/LANES)
+// values in registers (KPT), so attn is read once and the output written once; a warp holds two groups of
+// 32/LANES rows at a time, persistent warps loading their next groups while they reduce the current ones
+// (memory-level parallelism); the max and the sum are fp32 (fp64 for double) shuffle reductions within a row's
+// lanes. bias/mask rows are tiny and
 // shared by many rows, so they stay in cache; they are read in attn's 16-bit dtype when both have it, else in
 // fp32 (no conversion kernel a call).
 // A row of -inf (fully masked) or holding a NaN gives NaN, as torch.softmax does.
@@ -37,18 +38,30 @@ namespace {
 constexpr int kWarp = 32;
 constexpr int kMaxN = 1024;
 
-template <typename T>
-__device__ __forceinline__ T warp_max(T v) {
+// The max / sum over each aligned group of LANES lanes (a power of two up to kWarp), in every lane of the group.
+// Every lane of the warp calls them (full mask).
+template <int LANES, typename T>
+__device__ __forceinline__ T lanes_max(T v) {
 #pragma unroll
-  for (int o = kWarp / 2; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  for (int o = LANES / 2; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+template <int LANES, typename T>
+__device__ __forceinline__ T lanes_sum(T v) {
+#pragma unroll
+  for (int o = LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
 
 template <typename T>
+__device__ __forceinline__ T warp_max(T v) {
+  return lanes_max<kWarp>(v);
+}
+
+template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
+  return lanes_sum<kWarp>(v);
 }
 
 __device__ __forceinline__ float exp_op(float v) { return expf(v); }
@@ -94,35 +107,43 @@ __device__ __forceinline__ void bias_and_mask_rows(int64_t r, const RowMap& m, i
   }
 }
 
-// Forward. Warps are persistent: warp w of the grid's W handles the row groups w, w + W, ... of kRows rows
-// each, and (short rows, kAhead) loads the next group's attn values before it reduces the current group, so
-// its DRAM reads are in flight while it computes (bias and mask rows are cache hits). One-shot warps (a launch
-// of rows / 16 blocks) left each block's lifetime a chain of memory latencies: the stage-1 forward ran at 36%
-// of an H200's copy bandwidth in fp32 and 18% in 16-bit, as slow for half the bytes. Long rows (KPT > 4)
-// read attn where they use it: held twice, their values would double the registers.
-// Assumptions: blockDim.x a multiple of kWarp; any grid; N <= 32 * KPT; bias_t (of bias and mask) is scalar_t
-// or its opmath type, widened to the opmath type on load (exact).
-template <typename scalar_t, typename bias_t, int KPT>
+// Forward. Warps are persistent: warp w of the grid's W handles the row groups w, w + W, ... and (short rows,
+// kAhead) loads the next group's attn values before it reduces the current group, so its DRAM reads are in flight
+// while it computes (bias and mask rows are cache hits). One-shot warps (a launch of rows / 16 blocks) left each
+// block's lifetime a chain of memory latencies: the stage-1 forward ran at 36% of an H200's copy bandwidth in
+// fp32 and 18% in 16-bit, as slow for half the bytes. A row takes LANES lanes, KPT values each: Swin's rows of 49
+// take 8 lanes of 7 values (4 rows a warp at once), so a row's max and sum cost 3 shuffle steps shared by 4 rows
+// instead of 5 steps for each row over a whole warp's 2 values a lane (persistent warps alone left the stage-1
+// fp32 forward at 0.86x torch.compile's kernel, kernels_cuda_h200_run4_fmha_adam_layer_norm.json). Long rows
+// (a whole warp a row, 8 or more values a lane) read attn where they use it: held twice, their values would double
+// the registers.
+// Assumptions: blockDim.x a multiple of kWarp; any grid; LANES a power of two dividing kWarp; N <= LANES * KPT;
+// bias_t (of bias and mask) is scalar_t or its opmath type, widened to the opmath type on load (exact).
+template <typename scalar_t, typename bias_t, int KPT, int LANES>
 __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const bias_t* __restrict__ bias,
                                 const bias_t* __restrict__ mask, scalar_t* __restrict__ out, int64_t rows,
                                 RowMap map) {
   using acc_t = at::opmath_type<scalar_t>;
-  constexpr int kRows = kFwdRows;
-  constexpr bool kAhead = KPT <= 4;
+  constexpr int kRows = kFwdRows;            // row groups a warp holds at once
+  constexpr int kPerGroup = kWarp / LANES;   // rows of a group: one per LANES lanes
+  constexpr int64_t kSpan = kRows * kPerGroup;
+  constexpr bool kAhead = LANES < kWarp;  // rows up to 128 (8 values a lane); longer ones as the comment above
   const int N = static_cast<int>(map.N.d);
-  const int lane = threadIdx.x % kWarp;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp) * kRows;
-  int64_t first = (static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp) * kRows;
+  const int lane = threadIdx.x % LANES;                // this lane's place in its row
+  const int sub = (threadIdx.x % kWarp) / LANES;       // its row within a group
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp) * kSpan;
+  int64_t first = (static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp) * kSpan;
   if (first >= rows) return;  // uniform over the warp: whole warps leave, shuffles stay full
 
-  scalar_t a[kRows][KPT];  // a group's attn values; past the last row or N: unset, never read
+  scalar_t a[kRows][KPT];  // this lane's attn values of a group; past the last row or N: unset, never read
   const auto load = [&](int64_t group) {
 #pragma unroll
     for (int q = 0; q < kRows; ++q) {
+      const int64_t row = group + q * kPerGroup + sub;
 #pragma unroll
       for (int k = 0; k < KPT; ++k) {
-        const int j = lane + k * kWarp;
-        if (group + q < rows && j < N) a[q][k] = attn[(group + q) * N + j];
+        const int j = lane + k * LANES;
+        if (row < rows && j < N) a[q][k] = attn[row * N + j];
       }
     }
   };
@@ -132,16 +153,16 @@ __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const bias_t*
     acc_t mx[kRows];
 #pragma unroll
     for (int q = 0; q < kRows; ++q) {
-      const int64_t row = first + q;
+      const int64_t row = first + q * kPerGroup + sub;
       mx[q] = -std::numeric_limits<acc_t>::infinity();
-      if (row >= rows) continue;  // uniform over the warp
+      if (row >= rows) continue;  // this lane's row only: the shuffles below stay outside the branch
       int64_t bias_row, mask_row;
       bias_and_mask_rows(row, map, bias_row, mask_row);
       const bias_t* b = bias + bias_row * N;
       const bias_t* m = mask != nullptr ? mask + mask_row * N : nullptr;
 #pragma unroll
       for (int k = 0; k < KPT; ++k) {
-        const int j = lane + k * kWarp;
+        const int j = lane + k * LANES;
         if (j < N) {
           const scalar_t x = kAhead ? a[q][k] : attn[row * N + j];  // long rows: read here, as used
           v[q][k] = static_cast<acc_t>(x) + static_cast<acc_t>(b[j]) +
@@ -155,29 +176,30 @@ __global__ void fmha_fwd_kernel(const scalar_t* __restrict__ attn, const bias_t*
       if (first + stride < rows) load(first + stride);
     }
 #pragma unroll
-    for (int q = 0; q < kRows; ++q) mx[q] = warp_max(mx[q]);
+    for (int q = 0; q < kRows; ++q) mx[q] = lanes_max<LANES>(mx[q]);
     acc_t sum[kRows];
 #pragma unroll
     for (int q = 0; q < kRows; ++q) {
       sum[q] = 0;
 #pragma unroll
       for (int k = 0; k < KPT; ++k) {
-        if (first + q < rows && lane + k * kWarp < N) {
+        if (first + q * kPerGroup + sub < rows && lane + k * LANES < N) {
           v[q][k] = exp_op(v[q][k] - mx[q]);
           sum[q] += v[q][k];
         }
       }
     }
 #pragma unroll
-    for (int q = 0; q < kRows; ++q) sum[q] = warp_sum(sum[q]);
+    for (int q = 0; q < kRows; ++q) sum[q] = lanes_sum<LANES>(sum[q]);
 #pragma unroll
     for (int q = 0; q < kRows; ++q) {
-      if (first + q >= rows) break;
+      const int64_t row = first + q * kPerGroup + sub;
+      if (row >= rows) continue;
       const acc_t inv = acc_t(1) / sum[q];
-      scalar_t* y = out + (first + q) * N;
+      scalar_t* y = out + row * N;
 #pragma unroll
       for (int k = 0; k < KPT; ++k) {
-        const int j = lane + k * kWarp;
+        const int j = lane + k * LANES;
         if (j < N) y[j] = static_cast<scalar_t>(v[q][k] * inv);
       }
     }
@@ -298,6 +320,18 @@ void dispatch_kpt(int N, F&& f) {
   else f(std::integral_constant<int, 32>());
 }
 
+// The forward's (KPT, LANES) for rows of N: rows up to 64 take 8 lanes (Swin's 49: 7 values a lane), up to 128
+// 16 lanes, longer ones a whole warp (dispatch_kpt's values a lane).
+template <typename F>
+void dispatch_fwd_shape(int N, F&& f) {
+  using std::integral_constant;
+  if (N <= 64) f(integral_constant<int, 8>(), integral_constant<int, 8>());
+  else if (N <= 128) f(integral_constant<int, 8>(), integral_constant<int, 16>());
+  else if (N <= 256) f(integral_constant<int, 8>(), integral_constant<int, kWarp>());
+  else if (N <= 512) f(integral_constant<int, 16>(), integral_constant<int, kWarp>());
+  else f(integral_constant<int, 32>(), integral_constant<int, kWarp>());
+}
+
 void check_inputs(const at::Tensor& attn, const at::Tensor& bias, const std::optional<at::Tensor>& mask,
                   int64_t window_num) {
   fmha_host::check_fwd_inputs(attn, bias, mask, window_num);
@@ -335,10 +369,10 @@ at::Tensor fmha_fwd_cuda(const at::Tensor& attn_, const at::Tensor& bias_, const
       at::Tensor mask;
       if (mask_.has_value()) mask = mask_->to(dtype).contiguous();
       const bias_t* m = mask.defined() ? mask.const_data_ptr<bias_t>() : nullptr;
-      dispatch_kpt(static_cast<int>(N), [&](auto kpt) {
-        constexpr int KPT = decltype(kpt)::value;
-        constexpr int64_t rows_per_block = threads / kWarp * kFwdRows;
-        constexpr auto kernel = fmha_fwd_kernel<scalar_t, bias_t, KPT>;
+      dispatch_fwd_shape(static_cast<int>(N), [&](auto kpt, auto lanes) {
+        constexpr int KPT = decltype(kpt)::value, LANES = decltype(lanes)::value;
+        constexpr int64_t rows_per_block = threads / LANES * kFwdRows;
+        constexpr auto kernel = fmha_fwd_kernel<scalar_t, bias_t, KPT, LANES>;
         // persistent warps: as many blocks as the GPU holds at once (one wave), fewer where the rows are fewer
         const int64_t blocks =
             std::min<int64_t>((rows + rows_per_block - 1) / rows_per_block, resident_blocks<kernel>(threads));
