@@ -24,9 +24,10 @@ Modes (one row each, in this order, one process)
                  on the CPU fp32 (the guide's amp is CUDA fp16).
   eager-amp      eager with bf16 autocast; skipped (reason recorded) on a CPU without native bf16.
   peer           what a user picks instead: torch.compile(model) (mode="reduce-overhead", i.e. CUDA graphs,
-                 on CUDA where every batch has one shape; default mode where lengths vary), torch.compile(opt.step) of AdamW(fused=True where supported, lr as a tensor so
-                 a new lr does not recompile), bf16 autocast where native else fp32; per-batch padding on
-                 the guide workload, as the guide does.
+                 on CUDA where every batch has one shape; the default mode where lengths vary),
+                 torch.compile(opt.step) of AdamW(fused=True where supported, lr as a tensor so a new lr does
+                 not recompile), bf16 autocast where native else fp32; per-batch padding on the guide
+                 workload, as the guide does.
   accel-kernels  accel.runtime.hooks (fused LayerNorm, Philox dropout and Adam; oneDNN Linear where it wins
                  on this CPU) on before the model is built, eager, the precision of eager-amp (bf16 where
                  native, else fp32).
@@ -1086,7 +1087,7 @@ def add_budget_argument(ap: argparse.ArgumentParser) -> None:
 
 def run_or_skip(mode: str, ctx: Context, args, started: float) -> dict:
     """run_mode, or a skipped row where --budget-s seconds have passed since `started`."""
-    budget = getattr(args, "budget_s", None)
+    budget = args.budget_s
     if budget is not None and time.perf_counter() - started > budget:
         return {"workload": ctx.workload.name, "mode": mode, "status": "skipped",
                 "reason": f"time budget (--budget-s {budget:g}) spent"}

@@ -370,7 +370,9 @@ class PackedModel(nn.Module):
         decoder = self.head in ("causal", "last_token")
         mask = document_mask(segment_ids, backend, dtype=self.model.dtype, causal=decoder)
         window, every_layer = sliding_window(self.model.config) if decoder else (None, False)
-        if window is not None and window < input_ids.shape[1]:  # a shorter row is within any window
+        if window is not None and window >= input_ids.shape[1]:  # a shorter row is within any window
+            window = None
+        if window is not None:
             local = document_mask(segment_ids, backend, dtype=self.model.dtype, causal=True, window=window)
             # transformers' models with local and global layers take one mask per kind of layer
             mask = local if every_layer else {"full_attention": mask, "sliding_attention": local}
@@ -389,7 +391,7 @@ class PackedModel(nn.Module):
             # elsewhere (attention dropout, a first-token-only last layer, narrow heads)
             kwargs[SEGMENT_IDS], kwargs[SEGMENTS_CAUSAL] = segment_ids, decoder
             kwargs[FLEX_MASKS] = {None: document_mask(segment_ids, FLEX, causal=decoder)}
-            if window is not None and window < input_ids.shape[1]:
+            if window is not None:
                 kwargs[FLEX_MASKS][window] = document_mask(segment_ids, FLEX, causal=True, window=window)
         elif per_sample and input_ids.device.type == "cpu":
             # and on the CPU by accel.runtime.nn.varlen_attention: the work of the samples, not of the whole row
