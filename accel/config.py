@@ -24,7 +24,7 @@ from typing import Optional
 BACKENDS = ("auto", "xla", "cuda", "cpu")
 CPU_GEMM_LIBRARIES = ("auto", "onednn", "torch")
 CPU_ATTENTION = ("auto", "plain", "sdpa")
-CUDA_PACKED_ATTENTION = ("mask", "varlen", "flex")
+CUDA_PACKED_ATTENTION = ("auto", "mask", "varlen", "flex")
 DEFAULT_PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "labels": -100}
 
 
@@ -127,14 +127,16 @@ class ComputeConfig(_Section):
         keeps packed samples apart: "mask" (SDPA over the whole row with the [B, 1, L, L] document mask, whose cost
         grows with the row and not with its samples), "varlen" (each sample alone by torch's FlashAttention varlen
         kernel: torch 2.10+, compute capability 8.0+, accel.runtime.nn.varlen_attention.flash_varlen_attention; 16-bit,
-        head sizes up to 256) or "flex" (FlexAttention with the rows' document BlockMask, which skips the blocks no
-        sample sees: accel.compiler.flex_rows; heads of 16 or more). Sliding windows and grouped key/value heads
-        either way; calls a kernel does not take keep the mask (attention dropout while training, BERT's and
-        GPT-2's). On an H200 (2026-11-28, bf16 forward + backward, causal rows of 1024 and 4096, 32 heads of 128):
-        SDPA with the mask 1.94 / 12.8 ms, varlen 1.35 / 3.57, FlexAttention 0.79 / 2.10; a small packed Llama's
-        step (rows of 1024, host-bound) varlen 0.84x the mask. "mask" until a model's step shows the others win
-        (`causal_lm.py --size 1b --max-length 4096 --modes accel,accel:compute.cuda_packed_attention=flex`); the CPU
-        always computes packed samples alone (compute.cpu_attention).
+        head sizes up to 256), "flex" (FlexAttention with the rows' document BlockMask, which skips the blocks no
+        sample sees: accel.compiler.flex_rows; heads of 16 or more) or "auto" (the default: "flex" for a decoder's
+        causal rows of accel.compiler.flex_rows.AUTO_MIN_ROW tokens or more, "mask" otherwise). Sliding windows and
+        grouped key/value heads either way; calls a kernel does not take keep the mask (attention dropout while
+        training, BERT's and GPT-2's). On an H200 (2026-11-28, bf16 forward + backward, 32 heads of 128): causal
+        rows of 1024 and 4096, SDPA with the mask 1.94 / 12.8 ms, varlen 1.35 / 3.57, FlexAttention 0.79 / 2.10;
+        bidirectional rows of 512 (heads of 64) 0.57 / 1.34 / 0.80, hence encoders keep the mask. A packed 1B Llama
+        (rows of 4096, batch 2, bf16) trained in 84.3 ms a step with the mask, 64.5 varlen, 61.0 flex (1.38x);
+        a small host-bound Llama (rows of 1024) varlen 0.84x the mask, flex unmeasured there. The CPU always
+        computes packed samples alone (compute.cpu_attention).
     step_graph: the training step will be one CUDA graph, captured by accel.graph_step around the user's
         step function (accel.compiler.step_graph): the model is compiled without graphs of its own (one
         capture cannot hold another's replays) and optimizers built over it get a device-tensor learning rate
@@ -181,7 +183,7 @@ class ComputeConfig(_Section):
     recompile_guard: bool = False
     first_token_only: bool = True
     fuse_qkv: bool = False
-    cuda_packed_attention: str = "mask"
+    cuda_packed_attention: str = "auto"
     step_graph: bool = False
     cpu_gemm: str = "auto"
     cpu_attention: str = "auto"

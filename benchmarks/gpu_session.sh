@@ -27,7 +27,8 @@
 # crash_bt  $CRASH_TESTS (node ids) under cuda-gdb, only when named -> $OUT/crash_bt.log (native backtrace)
 # pytest  the GPU-relevant tests, pytest -n 16 -v          -> $OUT/pytest.log ($TESTS_FIRST first: e.g. the tests
 #         of the kernels changed since the last GPU run, so a run cut by its timeout has them; $PYTEST_PATHS,
-#         when set, replaces the default folders: a short call tests only what changed; $PYTEST_S caps it, 300 s)
+#         when set, replaces the default folders (or node ids): a short call tests only what changed; $PYTEST_S caps
+#         it, 300 s; $PYTEST_K selects by name, pytest's -k)
 # bert_base     benchmarks/bert_base.py ($BERT_ARGS)       -> $OUT/bert_base.log, bert_base_cuda.json/png
 # causal_lm     benchmarks/causal_lm.py ($CAUSAL_ARGS), only when named -> $OUT/causal_lm.log, causal_lm_cuda.json/png
 #               (it, vit_base and decoder_classifier get --budget-s as bert_base does: no row starts in the last 100 s)
@@ -147,10 +148,11 @@ build_kernels() {  # build_kernels TIMEOUT_S: one process per op, all at once (e
   done
 }
 
-existing_paths() {  # the arguments that exist; a missing test folder would make pytest run nothing
+existing_paths() {  # the arguments that exist (a node id, file::test[param], by its file); a missing test folder
+  # would make pytest run nothing
   local path
   for path in "$@"; do
-    if [[ -e $path ]]; then echo "$path"; else echo "note: $path does not exist, not tested" >&2; fi
+    if [[ -e ${path%%::*} ]]; then echo "$path"; else echo "note: $path does not exist, not tested" >&2; fi
   done
 }
 
@@ -183,7 +185,9 @@ if want pytest; then
   # with it the 2026-11-26 runs did not finish in 240 and 300 s
   # OMP_NUM_THREADS=1: 16 workers each running OpenMP over 16 cores made the CPU cases of fused_adam 70-100 s
   # apiece on an H100 machine (six test files took 246 s); tests that need threads set their own count
+  # PYTEST_K: pytest's -k, e.g. "cuda" for the CUDA cases alone (their CPU twins compile for minutes on one thread)
   OMP_NUM_THREADS=1 step pytest "$(budget pytest "${PYTEST_S:-300}")" "$PY" -m pytest -v -n 16 --durations=30 -p no:cacheprovider \
+    ${PYTEST_K:+-k "$PYTEST_K"} \
     --deselect tests/runtime/test_portable_paths.py::test_kernel_tests_pass_on_the_portable_loops "${TESTS[@]}"
 fi
 if want bert_base; then

@@ -15,7 +15,7 @@ def test_defaults_use_torchacc_names_and_ours():
     assert (c.memory.gc, c.memory.gc_cls, c.memory.gc_cnt, c.memory.keep_freed_memory) == (False, None, None, True)
     assert (c.dataloader.buckets, c.dataloader.max_length, c.dataloader.num_buckets) == (None, None, None)
     assert c.dataloader.pad_value_dict == {"input_ids": 0, "attention_mask": 0, "labels": -100}
-    assert c.dataloader.pack is False and c.compute.cuda_packed_attention == "mask"
+    assert c.dataloader.pack is False and c.compute.cuda_packed_attention == "auto"
     assert accel.Config is Config
 
 
@@ -58,7 +58,7 @@ def test_no_state_is_shared_between_configs():
     (lambda: ComputeConfig(cpu_gemm="mkl"), "compute.cpu_gemm: expected one of 'auto', 'onednn', 'torch'"),
     (lambda: ComputeConfig(cpu_attention="flash"), "compute.cpu_attention: expected one of 'auto', 'plain', 'sdpa'"),
     (lambda: ComputeConfig(cuda_packed_attention=True),
-     "compute.cuda_packed_attention: expected one of 'mask', 'varlen', 'flex', got True"),
+     "compute.cuda_packed_attention: expected one of 'auto', 'mask', 'varlen', 'flex', got True"),
     (lambda: DataLoaderConfig(drop_full_masks=True, buckets=[64]), "dataloader.drop_full_masks is for loaders"),
     (lambda: DataLoaderConfig(drop_full_masks=True, max_length=64, pack=True), "dataloader.drop_full_masks"),
 ])

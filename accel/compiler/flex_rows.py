@@ -1,13 +1,15 @@
 """FlexAttention over packed rows on CUDA: each sample's attention, the blocks no sample sees skipped.
 
-With compute.cuda_packed_attention="flex", PackedModel gives the "accel_sdpa" attention of a packed batch its
-rows' document BlockMasks (accel.compiler.packed.document_mask with "flex_attention", built once a forward: one
-for full attention, and one for the model's sliding window where it has one), and the attention calls
-FlexAttention with them wherever the call fits (`flex_fits`); other calls keep SDPA with the dense document mask.
-Why: SDPA with a [B, 1, L, L] mask computes every block of the row, so its cost grows with the row's length
-squared, not with its samples'. On an H200 (2026-11-28, bf16 forward + backward, causal, 32 heads of 128): rows
-of 1024 holding 49 samples 1.94 ms with the mask, 0.79 ms FlexAttention; rows of 4096 12.8 against 2.10 ms
-(benchmarks/results/kernels_cuda_h200_run4_varlen_lce.json).
+With compute.cuda_packed_attention="flex" (and "auto", the default, for a decoder's rows of AUTO_MIN_ROW tokens or
+more), PackedModel gives the "accel_sdpa" attention of a packed batch its rows' document BlockMasks
+(accel.compiler.packed.document_mask with "flex_attention", built once a forward: one for full attention, and one
+for the model's sliding window where it has one), and the attention calls FlexAttention with them wherever the
+call fits (`flex_fits`); other calls keep SDPA with the dense document mask. Why: SDPA with a [B, 1, L, L] mask
+computes every block of the row, so its cost grows with the row's length squared, not with its samples'. On an
+H200 (2026-11-28, bf16 forward + backward, causal, 32 heads of 128): rows of 1024 holding 49 samples 1.94 ms with
+the mask, 0.79 ms FlexAttention; rows of 4096 12.8 against 2.10 ms (benchmarks/results/
+kernels_cuda_h200_run4_varlen_lce.json); a packed 1B Llama's training step at rows of 4096 61.0 ms against 84.3
+(benchmarks/results/causal_lm_cuda_h200_run5_1b.json).
 """
 from __future__ import annotations
 
@@ -19,6 +21,17 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 # Inductor's FlexAttention lowering on CUDA refuses narrower heads ("NYI: embedding dimension of the query, key,
 # and value must be at least 16", torch 2.11)
 MIN_HEAD_DIM = 16
+
+# compute.cuda_packed_attention="auto" takes FlexAttention for causal rows this long or longer, where it won (H200,
+# 2026-11-28, bf16 forward + backward, 32 heads of 128: causal rows of 1024 0.79 ms against SDPA with the mask's
+# 1.94; a packed 1B Llama's step at rows of 4096 1.38x). Bidirectional rows of 512 lost (0.80 against 0.57 ms).
+AUTO_MIN_ROW = 1024
+
+
+def auto_route(causal: bool, row_length: int) -> str:
+    """The route compute.cuda_packed_attention="auto" takes for packed rows of `row_length` tokens: "flex" for
+    causal rows of AUTO_MIN_ROW tokens or more, else "mask"."""
+    return "flex" if causal and row_length >= AUTO_MIN_ROW else "mask"
 
 
 def flex_runs_on(device: torch.device) -> bool:

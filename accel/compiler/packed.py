@@ -209,8 +209,9 @@ class PackedModel(nn.Module):
         cuda_attention: how an "accel_sdpa" model's self-attention keeps packed samples apart on CUDA
             (accelerate()'s compute.cuda_packed_attention): "mask" (SDPA with the document mask), "varlen" (each
             sample alone by torch's FlashAttention varlen kernel, torch 2.10+ and compute capability 8.0+, for
-            batches that carry seq_lens) or "flex" (FlexAttention with the rows' document BlockMask,
-            accel.compiler.flex_rows), each where the call allows it (no attention dropout while training; varlen:
+            batches that carry seq_lens), "flex" (FlexAttention with the rows' document BlockMask,
+            accel.compiler.flex_rows) or "auto" ("flex" for a decoder's rows of flex_rows.AUTO_MIN_ROW tokens or
+            more, else "mask"), each where the call allows it (no attention dropout while training; varlen:
             16-bit, heads up to 256; flex: heads of 16 or more); elsewhere the document mask.
 
     Raises:
@@ -219,7 +220,7 @@ class PackedModel(nn.Module):
             for regression / multi-label or without a first-token pooler.
     """
 
-    def __init__(self, model: nn.Module, first_tokens_only: bool = True, cuda_attention: str = "mask"):
+    def __init__(self, model: nn.Module, first_tokens_only: bool = True, cuda_attention: str = "auto"):
         super().__init__()
         config = getattr(model, "config", None)
         if not isinstance(model, nn.Module) or config is None:
@@ -377,7 +378,10 @@ class PackedModel(nn.Module):
             # transformers' models with local and global layers take one mask per kind of layer
             mask = local if every_layer else {"full_attention": mask, "sliding_attention": local}
         per_sample = backend == ACCEL_SDPA and self._passes_kwargs
-        if (per_sample and self.cuda_attention == "varlen" and seq_lens is not None
+        route = self.cuda_attention
+        if route == "auto":
+            route = flex_rows.auto_route(decoder, input_ids.shape[1])
+        if (per_sample and route == "varlen" and seq_lens is not None
                 and varlen_attention.flash_varlen_runs_on(input_ids.device)):
             # ACCEL_SDPA's attention computes each sample alone on CUDA by FlashAttention's varlen kernel, over
             # offsets of a static shape; the mask stays for the calls that kernel does not take (attention dropout,
@@ -386,7 +390,7 @@ class PackedModel(nn.Module):
                 raise ValueError(f"seq_lens must be [B={input_ids.shape[0]}, S], got {tuple(seq_lens.shape)}")
             kwargs[SEGMENT_IDS], kwargs[SEGMENTS_CAUSAL] = segment_ids, decoder
             kwargs[CU_SEQLENS] = static_cu_seqlens(seq_lens, input_ids.shape[1])
-        elif per_sample and self.cuda_attention == "flex" and flex_rows.flex_runs_on(input_ids.device):
+        elif per_sample and route == "flex" and flex_rows.flex_runs_on(input_ids.device):
             # ACCEL_SDPA's attention takes FlexAttention with these BlockMasks where the call fits, the dense mask
             # elsewhere (attention dropout, a first-token-only last layer, narrow heads)
             kwargs[SEGMENT_IDS], kwargs[SEGMENTS_CAUSAL] = segment_ids, decoder

@@ -63,6 +63,18 @@ def test_tests_first_lead_the_pytest_paths(tmp_path):
     assert paths[:3] == ["tests/runtime/test_layer_norm.py", "tests/runtime/test_fmha.py", "tests/runtime"]
 
 
+def test_pytest_paths_take_node_ids_and_k_selects_by_name(tmp_path):
+    node = "tests/runtime/test_fmha.py::test_cuda_second_device"
+    proc, out = _session(tmp_path, "pytest", PYTEST_PATHS=f"{node} tests/nowhere.py::test_x", PYTEST_K="cuda")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = (out / "pytest.log").read_text().split()
+    assert args[-1] == node and "tests/nowhere.py::test_x" not in args
+    assert args[args.index("-k") + 1] == "cuda"
+    assert "note: tests/nowhere.py::test_x does not exist, not tested" in proc.stderr
+    proc, out = _session(tmp_path, "pytest", PYTEST_PATHS=node)
+    assert "-k" not in (out / "pytest.log").read_text().split()
+
+
 def test_bert_args_replace_the_workload_arguments(tmp_path):
     proc, out = _session(tmp_path, "bert_base", BERT_ARGS="--workload guide --modes peer,accel")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -134,8 +134,27 @@ def test_calls_flex_attention_cannot_take_keep_the_mask(monkeypatch):
         packed.cuda_attention = "mask"
         packed(**batch)
     assert calls == []
-    with pytest.raises(ValueError, match="cuda_attention: expected one of 'mask', 'varlen', 'flex', got 'dense'"):
+    with pytest.raises(ValueError, match="cuda_attention: expected one of 'auto', 'mask', 'varlen', 'flex', got 'dense'"):
         PackedModel(_model("llama"), cuda_attention="dense")
+
+
+def test_auto_takes_flex_for_long_causal_rows_only(monkeypatch):
+    """"auto" (the default): FlexAttention for a decoder's rows of AUTO_MIN_ROW tokens or more, the mask for shorter
+    rows and for an encoder's rows of any length."""
+    assert flex_rows.AUTO_MIN_ROW == 1024
+    assert [flex_rows.auto_route(True, n) for n in (1023, 1024, 4096)] == ["mask", "flex", "flex"]
+    assert flex_rows.auto_route(False, 4096) == "mask"
+    calls = flex_calls(monkeypatch, "cpu")
+    llama, bert = PackedModel(_model("llama")), PackedModel(_model("bert"))
+    assert llama.cuda_attention == bert.cuda_attention == "auto"
+    _, llama_batch = _packed(_causal_samples(seed=2), "cpu")
+    _, bert_batch = _packed(_samples("token"), "cpu")
+    with torch.no_grad():
+        llama(**llama_batch), bert(**bert_batch)
+        assert calls == []  # rows of 16
+        monkeypatch.setattr(flex_rows, "AUTO_MIN_ROW", llama_batch["input_ids"].shape[1])
+        llama(**llama_batch), bert(**bert_batch)
+    assert calls == FAMILIES["llama"]
 
 
 def test_flex_fits_asks_for_cuda_heads_of_16_and_one_length(monkeypatch):
