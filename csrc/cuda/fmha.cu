@@ -114,7 +114,8 @@ __device__ __forceinline__ void bias_and_mask_rows(int64_t r, const RowMap& m, i
 // fp32 and 18% in 16-bit, as slow for half the bytes. A row takes LANES lanes, KPT values each: Swin's rows of 49
 // take 8 lanes of 7 values (4 rows a warp at once), so a row's max and sum cost 3 shuffle steps shared by 4 rows
 // instead of 5 steps for each row over a whole warp's 2 values a lane (persistent warps alone left the stage-1
-// fp32 forward at 0.86x torch.compile's kernel, kernels_cuda_h200_run4_fmha_adam_layer_norm.json). Long rows
+// fp32 forward at 0.86x torch.compile's kernel, kernels_cuda_h200_run4_fmha_adam_layer_norm.json; with the lanes
+// 1.07x, 1.26x the kernel before: kernels_ab_cuda_h200_run5.json). Long rows
 // (a whole warp a row, 8 or more values a lane) read attn where they use it: held twice, their values would double
 // the registers.
 // Assumptions: blockDim.x a multiple of kWarp; any grid; LANES a power of two dividing kWarp; N <= LANES * KPT;
