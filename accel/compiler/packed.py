@@ -110,6 +110,15 @@ def document_mask(segment_ids: torch.Tensor, backend: str, dtype: torch.dtype = 
     return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
+def flex_document_masks(segment_ids: torch.Tensor, causal: bool, window: int | None) -> dict:
+    """FLEX_MASKS for unpadded_attention: the rows' document BlockMask under None, and with a sliding window (which
+    must be causal) the windowed one under the window."""
+    masks = {None: document_mask(segment_ids, FLEX, causal=causal)}
+    if window is not None:
+        masks[window] = document_mask(segment_ids, FLEX, causal=True, window=window)
+    return masks
+
+
 def sliding_window(config) -> tuple[int | None, bool]:
     """(window, whether every layer slides) of a transformers decoder with sliding-window attention, else
     (None, False): Mistral's layers all slide, Gemma's alternate local (sliding) and global layers
@@ -124,7 +133,7 @@ def sliding_window(config) -> tuple[int | None, bool]:
     return (window, all(sliding)) if any(sliding) else (None, False)
 
 
-def _takes_var_keywords(fn) -> bool:
+def takes_var_keywords(fn) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
 
 
@@ -267,7 +276,7 @@ class PackedModel(nn.Module):
                              f"got {cuda_attention!r}")
         self.cuda_attention = cuda_attention
         # Whether extra keyword arguments reach the attention functions (transformers 5's **kwargs)
-        self._passes_kwargs = all(_takes_var_keywords(type(m).forward)
+        self._passes_kwargs = all(takes_var_keywords(type(m).forward)
                                   for m in dict.fromkeys((wrapper, model, model.base_model)))
         # The selecting forward of the last layer (a plain object, not a submodule), or None: the full layer.
         self._last_layer = last_layer_rows(model) if first_tokens_only and self.head in ("sequence", "last_token") \
@@ -394,9 +403,7 @@ class PackedModel(nn.Module):
             # ACCEL_SDPA's attention takes FlexAttention with these BlockMasks where the call fits, the dense mask
             # elsewhere (attention dropout, a first-token-only last layer, narrow heads)
             kwargs[SEGMENT_IDS], kwargs[SEGMENTS_CAUSAL] = segment_ids, decoder
-            kwargs[FLEX_MASKS] = {None: document_mask(segment_ids, FLEX, causal=decoder)}
-            if window is not None:
-                kwargs[FLEX_MASKS][window] = document_mask(segment_ids, FLEX, causal=True, window=window)
+            kwargs[FLEX_MASKS] = flex_document_masks(segment_ids, decoder, window)
         elif per_sample and input_ids.device.type == "cpu":
             # and on the CPU by accel.runtime.nn.varlen_attention: the work of the samples, not of the whole row
             # masked; a layer with a sliding window (Gemma's local layers: each names its window, as every
