@@ -102,17 +102,22 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
-__device__ __forceinline__ bool aligned16(const void* ptr) {
-  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+// The bytes of the accesses that move N elements of X: 16, or all N at once where they are fewer.
+template <typename X, int N>
+constexpr int kPieceBytes = N * sizeof(X) < 16 ? N * sizeof(X) : 16;
+
+template <typename X, int N>
+__device__ __forceinline__ bool aligned_for(const X* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % kPieceBytes<X, N> == 0;
 }
 
-// N elements between registers and a 16-byte-aligned address, in 16-byte accesses (two of them for
-// the fp32 state of 8 half/bfloat16 params: a 32-byte Pack would assume an alignment that views of
-// allocations do not have).
+// N elements between registers and an address aligned to kPieceBytes, in accesses of that many bytes (two
+// 16-byte ones for 8 fp32 values: a 32-byte Pack would assume an alignment that views of allocations do not
+// have).
 template <typename X, int N>
-__device__ __forceinline__ void load16(X (&r)[N], const X* src) {
-  constexpr int kPiece = 16 / sizeof(X);
-  static_assert(N % kPiece == 0, "whole 16-byte pieces only");
+__device__ __forceinline__ void load_pieces(X (&r)[N], const X* src) {
+  constexpr int kPiece = kPieceBytes<X, N> / sizeof(X);
+  static_assert(N % kPiece == 0, "whole pieces only");
 #pragma unroll
   for (int i = 0; i < N / kPiece; ++i) {
     const Pack<X, kPiece> piece = reinterpret_cast<const Pack<X, kPiece>*>(src)[i];
@@ -122,9 +127,9 @@ __device__ __forceinline__ void load16(X (&r)[N], const X* src) {
 }
 
 template <typename X, int N>
-__device__ __forceinline__ void store16(X* dst, const X (&r)[N]) {
-  constexpr int kPiece = 16 / sizeof(X);
-  static_assert(N % kPiece == 0, "whole 16-byte pieces only");
+__device__ __forceinline__ void store_pieces(X* dst, const X (&r)[N]) {
+  constexpr int kPiece = kPieceBytes<X, N> / sizeof(X);
+  static_assert(N % kPiece == 0, "whole pieces only");
 #pragma unroll
   for (int i = 0; i < N / kPiece; ++i) {
     Pack<X, kPiece> piece;
@@ -144,8 +149,8 @@ __device__ __forceinline__ void store16(X* dst, const X (&r)[N]) {
 //    with chunk_start[t] <= c < chunk_start[t + 1] and covers its elements from
 //    (c - chunk_start[t]) * chunk_size on, at most chunk_size of them.
 //  - meta.n >= 1, chunk_start[0] == 0 and chunk_start is non-decreasing.
-//  - No alignment: a chunk whose p, g, m, v (and vm) are all 16-byte aligned takes 16-byte accesses,
-//    16 / sizeof(scalar_t) elements a thread and iteration; any other chunk the scalar loop.
+//  - No alignment: a chunk whose p, g, m, v (and vm) are aligned for their accesses (kPieceBytes) takes kVec
+//    elements a thread and iteration; any other chunk the scalar loop.
 //  - state_t (m, v, vm) is the math type T, or scalar_t itself (compact state, torch.optim's layout):
 //    widened to T on load, rounded on store.
 //  - *step[t] holds the count before this step: the advance kernel, launched after every update
@@ -161,9 +166,12 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
   constexpr bool kFixed = kVariant != kGeneral;  // amsgrad, grad_scale and coupled known at compile time
   using T = at::opmath_type<scalar_t>;
   using fused_adam_host::adam_element;
-  // 16 bytes of p and g per thread and iteration; the state takes one or two 16-byte pieces.
-  constexpr int kVec = 16 / sizeof(scalar_t);
-  static_assert(kVec * sizeof(state_t) % 16 == 0, "the state is read in whole 16-byte pieces");
+  // Elements a thread takes an iteration: 16 bytes of fp32/fp64 params; 4 of 16-bit ones (8 bytes of p and g, 16
+  // of fp32 state), as fp32's packs: packs of 8 16-bit elements, whose next pack was loaded during this one's
+  // math, held 69-80 registers a thread (3 blocks an SM) and ran at 49-70% of an H200's copy bandwidth where
+  // fp32's packs of 4 (40 registers) reached 83-87% (kernels_cuda_h200_run5_fmha_adam.json); packs of 4 take
+  // 38-42 registers in the plain kernels. To be A/B'd on the next GPU (against 3280faa).
+  constexpr int kVec = sizeof(scalar_t) == 2 ? 4 : 16 / sizeof(scalar_t);
   if (a.found_inf != nullptr && *a.found_inf != 0.f) return;
   const bool coupled = kFixed ? kVariant == kPlainCoupled : a.h.coupled();
   const bool amsgrad = !kFixed && a.amsgrad;
@@ -190,7 +198,8 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
         fused_adam_host::coeffs_for<T>(a.h, lr, scale, static_cast<double>(*meta.step[t] + 1.f));
 
     // A chunk of a view that starts mid-vector takes the scalar loop below for all its elements.
-    const bool vec = aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) && (vm == nullptr || aligned16(vm));
+    const bool vec = aligned_for<scalar_t, kVec>(p) && aligned_for<scalar_t, kVec>(g) && aligned_for<state_t, kVec>(m) &&
+                     aligned_for<state_t, kVec>(v) && (vm == nullptr || aligned_for<state_t, kVec>(vm));
     int64_t done = 0;
     if (vec) {
       const int64_t packs = n / kVec;
@@ -207,47 +216,21 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const TensorListMe
           vr[j] = static_cast<state_t>(vj);
           xr[j] = static_cast<state_t>(xj);
         }
-        store16(p + i, pr);
-        store16(m + i, mr);
-        store16(v + i, vr);
-        if (vm != nullptr) store16(vm + i, xr);
+        store_pieces(p + i, pr);
+        store_pieces(m + i, mr);
+        store_pieces(v + i, vr);
+        if (vm != nullptr) store_pieces(vm + i, xr);
       };
-      if constexpr (sizeof(scalar_t) == 2) {
-        // 16-bit params: the next pack's values are loaded before this pack's math, so they are in flight
-        // while the thread computes. A pack of 8 such elements is 64 bytes of loads (compact state) for 8
-        // elements of math, and with loads and math waiting on each other an H200 ran at 51% of its copy
-        // bandwidth (torch's kernel too); fp32 packs (4 elements) reached 80-89% without it.
-        scalar_t pn[kVec], gn[kVec];
-        state_t mn[kVec], vn[kVec], xn[kVec] = {};
-        const auto load = [&](int64_t k) {
-          const int64_t i = k * kVec;
-          load16(pn, p + i);
-          load16(gn, g + i);
-          load16(mn, m + i);
-          load16(vn, v + i);
-          if (vm != nullptr) load16(xn, vm + i);
-        };
-        if (threadIdx.x < packs) load(threadIdx.x);
-        for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
-          scalar_t pr[kVec], gr[kVec];
-          state_t mr[kVec], vr[kVec], xr[kVec];
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) pr[j] = pn[j], gr[j] = gn[j], mr[j] = mn[j], vr[j] = vn[j], xr[j] = xn[j];
-          if (k + blockDim.x < packs) load(k + blockDim.x);
-          update(k * kVec, pr, gr, mr, vr, xr);
-        }
-      } else {  // loads of its own, not `load` above: through it the general fp32 kernel spilled 8 bytes
-        for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
-          const int64_t i = k * kVec;
-          scalar_t pr[kVec], gr[kVec];
-          state_t mr[kVec], vr[kVec], xr[kVec] = {};
-          load16(pr, p + i);
-          load16(gr, g + i);
-          load16(mr, m + i);
-          load16(vr, v + i);
-          if (vm != nullptr) load16(xr, vm + i);
-          update(i, pr, gr, mr, vr, xr);
-        }
+      for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
+        const int64_t i = k * kVec;
+        scalar_t pr[kVec], gr[kVec];
+        state_t mr[kVec], vr[kVec], xr[kVec] = {};
+        load_pieces(pr, p + i);
+        load_pieces(gr, g + i);
+        load_pieces(mr, m + i);
+        load_pieces(vr, v + i);
+        if (vm != nullptr) load_pieces(xr, vm + i);
+        update(i, pr, gr, mr, vr, xr);
       }
       done = packs * kVec;
     }
