@@ -457,10 +457,10 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
             from accel.compiler.first_token import first_token_only
 
             first_token_only(hf, hooks_on=model)
-        if backend == "cuda":  # rows packed by the user's collator: FlexAttention as for pack's
-            from accel.compiler.flattened_rows import flex_for_flattened_rows
+        if backend in ("cuda", "cpu"):  # rows packed by the user's collator: per-sample attention as pack's rows
+            from accel.compiler.flattened_rows import per_sample_flattened_rows
 
-            flex_for_flattened_rows(model, hf, config.compute.cuda_packed_attention)
+            per_sample_flattened_rows(model, hf, config.compute.cuda_packed_attention)
     if dtype is not None:  # outermost: PackedModel calls parts of the model, not its forward
         # a forward captured in a CUDA graph (compute.step_graph) must not cache weight casts (torch.cuda.graph's
         # rule for autocast); elsewhere the cache saves a cast per use of a weight

@@ -49,6 +49,10 @@ Modes (one row each, in this order, one process)
   peer-eager-attention  the peer with transformers' "eager" attention instead of SDPA (what accel's
                  compute.cpu_attention picks on a CPU where SDPA's 16-bit flash kernel is slow backwards, chosen
                  by hand). Only when --modes names it.
+  accel-flattened  accel's row on the rows the user's collator packs (causal_lm.py: transformers'
+                 DataCollatorWithFlattening over as many samples as fit batch x max_length tokens, one row whose
+                 position ids restart per sample; dataloader.buckets makes it static), as TRL's padding-free
+                 packing feeds a model. Only when --modes names it.
   accel:F=V[+F=V...]  the accel row with Config fields set otherwise, e.g. accel:compute.fuse_qkv=false:
                  an A/B of one of accelerate()'s choices in the same run (any number of such rows).
 
@@ -146,7 +150,7 @@ from accel.runtime.host_memory import keep_freed_memory, return_freed_memory  # 
 from benchmarks import _report  # noqa: E402
 
 MODES = ("eager", "eager-amp", "peer", "accel-kernels", "accel-xla", "accel")
-EXTRA_MODES = ("accel-model-only", "accel-step-graph", "peer-eager-attention")  # run only when --modes names them
+EXTRA_MODES = ("accel-model-only", "accel-step-graph", "peer-eager-attention", "accel-flattened")  # only when named
 BERT_BASE_CASED = dict(vocab_size=28996, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                        intermediate_size=3072, max_position_embeddings=512, type_vocab_size=2, num_labels=2)
 QUICK_BERT = dict(BERT_BASE_CASED, vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -431,6 +435,7 @@ class Run:
     device: torch.device
     precision: str
     packed: bool = False                   # batches are packed rows (segment_ids) rather than padded ones
+    flattened: bool = False                # rows the user's collator flattened (position ids restart per sample)
 
 
 def _eager_step(model, opt, dtype, scaler, device):
@@ -570,17 +575,23 @@ def _batches_as_the_peer_takes_them(ctx: Context, config, device: torch.device) 
 
 
 def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_only: bool = False,
-                step_graph: bool = False) -> Run:
+                step_graph: bool = False, flattened: bool = False) -> Run:
     """accel's row; `model_only`: accelerate(model) alone, the batches taken as the peer takes them (the
     A/B of accelerate()'s loader, its Prefetcher thread included, against none); `step_graph`: the whole step
-    one CUDA graph (compute.step_graph and accel.graph_step)."""
+    one CUDA graph (compute.step_graph and accel.graph_step); `flattened`: the rows the user's collator packs
+    (the workload's flattened_loader(), batch x max_length tokens a row, static by dataloader.buckets) instead of
+    dataloader.pack's."""
     import accel
 
     if not hasattr(accel, "accelerate"):
         raise Skip("accel.accelerate() is not in this checkout yet (accel/accelerate.py)")
     config = accel.Config()
     config.compute.bf16 = True  # accelerate() stays fp32 (and says so) where bf16 is not native
-    if ctx.workload.kind != "fixed":  # samples of many lengths: packed rows
+    if flattened:
+        if not hasattr(ctx.workload, "flattened_loader"):
+            raise Skip("accel-flattened takes rows of samples of many lengths: causal_lm.py's workload")
+        config.dataloader.buckets = [ctx.workload.batch * ctx.workload.max_length]
+    elif ctx.workload.kind != "fixed":  # samples of many lengths: packed rows
         config.dataloader.pack = True
         config.dataloader.max_length = ctx.workload.max_length
     else:  # the step reads nothing but the loss: an all-ones mask may go (unmasked SDPA)
@@ -597,7 +608,8 @@ def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_onl
         model = accel.accelerate(copy.deepcopy(ctx.initial_model), None, config)
         batches = _batches_as_the_peer_takes_them(ctx, config, next(model.parameters()).device)
     else:
-        model, loader = accel.accelerate(copy.deepcopy(ctx.initial_model), ctx.workload.loader(), config)
+        loader = ctx.workload.flattened_loader() if flattened else ctx.workload.loader()
+        model, loader = accel.accelerate(copy.deepcopy(ctx.initial_model), loader, config)
         batches = endless(loader)
     opt = torch.optim.AdamW(model.parameters(), lr=ctx.lr)
 
@@ -619,14 +631,16 @@ def setup_accel(ctx: Context, overrides: dict[str, str] | None = None, model_onl
 
     if any(isinstance(m, OneDNNLinear) for m in model.modules()):  # compute.cpu_gemm chose oneDNN here
         precision += ", fp32 products on oneDNN"
-    return Run(step, batches, device, precision + (", packed rows" if packed else ""), packed=packed)
+    rows = ", packed rows" if packed else ", rows flattened by the collator" if flattened else ""
+    return Run(step, batches, device, precision + rows, packed=packed, flattened=flattened)
 
 
 SETUPS = {"eager": setup_eager, "eager-amp": setup_eager_amp, "peer": setup_peer,
           "peer-eager-attention": setup_peer_eager_attention,
           "accel-kernels": setup_accel_kernels, "accel-xla": setup_accel_xla, "accel": setup_accel,
           "accel-model-only": lambda ctx: setup_accel(ctx, model_only=True),
-          "accel-step-graph": lambda ctx: setup_accel(ctx, step_graph=True)}
+          "accel-step-graph": lambda ctx: setup_accel(ctx, step_graph=True),
+          "accel-flattened": lambda ctx: setup_accel(ctx, flattened=True)}
 
 
 def setup(mode: str, ctx: Context) -> Run:
@@ -638,15 +652,22 @@ def setup(mode: str, ctx: Context) -> Run:
 # ------------------------------------------------------------------------------------------ measuring
 
 
-def batch_counts(batch: dict, packed: bool, tokens_per_sample: int | None = None) -> torch.Tensor:
+def batch_counts(batch: dict, packed: bool, tokens_per_sample: int | None = None,
+                 flattened: bool = False) -> torch.Tensor:
     """[samples, real tokens, sum of sample length^2] of a device batch, as one device tensor (no host sync);
-    `tokens_per_sample`: a batch of images (pixel_values), each that many tokens."""
+    `tokens_per_sample`: a batch of images (pixel_values), each that many tokens; `flattened`: rows of samples
+    whose position ids restart at 0 (DataCollatorWithFlattening), padded with token id 0 (the benchmarks' samples
+    hold ids from 1 up)."""
     if "pixel_values" in batch:
         images = batch["pixel_values"]
         lengths = torch.full(images.shape[:1], tokens_per_sample, dtype=torch.long, device=images.device)
         samples = torch.full((), images.shape[0], dtype=torch.long, device=images.device)
-    elif packed:
-        segments = batch["segment_ids"]
+    elif packed or flattened:
+        if flattened:  # segment ids 1, 2, ... from the restarts, 0 for the padding
+            real = batch["input_ids"] != 0
+            segments = ((batch["position_ids"] == 0) & real).long().cumsum(1) * real
+        else:
+            segments = batch["segment_ids"]
         per_segment = torch.zeros(segments.shape[0], segments.shape[1] + 1, dtype=torch.long, device=segments.device)
         per_segment.scatter_add_(1, segments.long(), torch.ones_like(segments, dtype=torch.long))
         lengths = per_segment[:, 1:]  # column 0 counts the padding tail
@@ -720,7 +741,7 @@ def measure(run: Run, warmup: int, steps: int, desc: str, tokens_per_sample: int
         losses.append(loss.detach().clone())  # clone: a CUDA graph replay reuses its output buffer
         # counted in the warm-up too: on XLA the counting ops are part of the step's graph, and a graph
         # that first grew them in the timed steps would compile again there
-        counts = batch_counts(batch, run.packed, tokens_per_sample)
+        counts = batch_counts(batch, run.packed, tokens_per_sample, run.flattened)
         if i >= warmup:
             timed_counts.append(counts)
         clock.step_ended()
@@ -829,7 +850,7 @@ def run_mode(mode: str, ctx: Context, args) -> dict:
         restore_hooks()
     stats = summarize(raw, run.device, flop_coefficients(ctx.initial_model))
     return {**row, "status": "ok", "device": str(run.device), "precision": run.precision,
-            "same_data": not run.packed, "cudagraph_skips": cudagraph_skips() - skips,
+            "same_data": not (run.packed or run.flattened), "cudagraph_skips": cudagraph_skips() - skips,
             "cudagraph_skip_reasons": distinct(cudagraph_skip_reasons(heard)),
             **peak_memory(memory, run.device), **stats, **raw}
 

@@ -64,6 +64,24 @@ class Workload(bert_base.Workload):
         return DataLoader(self.samples, batch_size=self.batch, shuffle=True, drop_last=True,
                           generator=torch.Generator().manual_seed(0), collate_fn=self.collate)
 
+    def flattened_loader(self) -> DataLoader:
+        """Batches as TRL's padding-free packing makes them: the samples in a shuffled order, as many a batch as
+        fit batch x max_length tokens, flattened by transformers' DataCollatorWithFlattening into one row whose
+        position ids restart at each sample (bert_base.py's accel-flattened mode)."""
+        from transformers import DataCollatorWithFlattening
+
+        order = torch.randperm(len(self.samples), generator=torch.Generator().manual_seed(0)).tolist()
+        budget, batches, used = self.batch * self.max_length, [[]], 0
+        for i in order:
+            n = len(self.samples[i]["input_ids"])
+            if used + n > budget:
+                batches.append([])
+                used = 0
+            batches[-1].append(i)
+            used += n
+        samples = [{"input_ids": s["input_ids"].tolist(), "labels": s["labels"].tolist()} for s in self.samples]
+        return DataLoader(samples, batch_sampler=batches, collate_fn=DataCollatorWithFlattening())
+
 
 def pad_for_causal_lm(samples: list[dict]) -> dict:
     """Each field padded to the batch's longest sample: input ids 0, attention mask 0, labels -100."""

@@ -1,15 +1,18 @@
-"""Rows the user's collator packed (position ids restarting per sample), their attention by FlexAttention on CUDA.
+"""Rows the user's collator packed (position ids restarting per sample): each sample's attention alone.
 
 transformers' DataCollatorWithFlattening and TRL's packing put several samples in one row with position ids that
 restart at 0 per sample and no attention mask; without a key/value cache (accel.compiler.decoding gives compiled
 training calls none) transformers finds the samples in the position ids and builds a dense [B, 1, L, L] packed
 mask, which SDPA computes over the whole row: its cost grows with the row's length squared, not with its samples'.
-`flex_for_flattened_rows(model, hf, route)` gives such calls of a causal language model with "accel_sdpa"
-attention (accelerate() sets it) on CUDA the rows' document BlockMask (accel.compiler.flex_rows), as
-dataloader.pack's rows get it from PackedModel: where compute.cuda_packed_attention takes FlexAttention for the row
-("auto": rows of flex_rows.AUTO_MIN_ROW tokens or more; "flex": any). Calls FlexAttention cannot take keep
-transformers' mask (attention dropout, heads under 16). Same outputs; on an H200 a packed 1B Llama's step at rows
-of 4096 took 61.0 ms against the mask's 84.3 (benchmarks/results/causal_lm_cuda_h200_run5_1b.json).
+`per_sample_flattened_rows(model, hf, cuda_attention)` gives such calls of a causal language model with
+"accel_sdpa" attention (accelerate() sets it) what dataloader.pack's rows get from PackedModel: on the CPU each
+sample's attention computed alone (accel.runtime.nn.varlen_attention: a packed Llama's CPU step 1147 -> 904 ms in
+one process, README); on CUDA the rows' document BlockMask for FlexAttention (accel.compiler.flex_rows) where
+compute.cuda_packed_attention takes it for the row ("auto": rows of flex_rows.AUTO_MIN_ROW tokens or more;
+"flex": any; "mask" and "varlen", which needs the samples' lengths such rows do not carry: transformers' mask).
+Calls neither can take keep transformers' mask (attention dropout, heads under 16 for FlexAttention). Same
+outputs; on an H200 a packed 1B Llama's step at rows of 4096 took 61.0 ms with FlexAttention against the mask's
+84.3 (benchmarks/results/causal_lm_cuda_h200_run5_1b.json).
 """
 from __future__ import annotations
 
@@ -38,43 +41,48 @@ def flattened_segments(position_ids: torch.Tensor) -> torch.Tensor:
     return starts.cumsum(-1)
 
 
-def _route(route: str, length: int) -> str:
-    return flex_rows.auto_route(True, length) if route == "auto" else route
-
-
-def flex_for_flattened_rows(model: nn.Module, hf: nn.Module, route: str = "auto") -> bool:
+def per_sample_flattened_rows(model: nn.Module, hf: nn.Module, cuda_attention: str = "auto") -> bool:
     """Give `model`'s calls over rows packed by position ids (a [B, L] position_ids keyword, no attention_mask, no
-    key/value cache, use_cache=False or the config's use_cache off) FlexAttention on CUDA. Returns whether it did: False
-    where `hf` (the transformers model inside `model`) is not a causal language model with "accel_sdpa" attention whose
-    forward passes keywords on to it.
+    key/value cache, use_cache=False or the config's use_cache off) each sample's attention alone: on the CPU, and
+    on CUDA where `cuda_attention` takes FlexAttention for the row. Returns whether it did: False where `hf` (the
+    transformers model inside `model`) is not a causal language model with "accel_sdpa" attention whose forward
+    passes keywords on to it.
 
     Args:
-        model: the model the user calls (`hf` itself, or a wrapper such as a PEFT model around it); a forward
-            pre-hook is added to it, so a later model.compile() traces it.
-        hf: the transformers model.
-        route: compute.cuda_packed_attention: "auto", "flex" (FlexAttention for any row length) or "mask"/"varlen"
-            (left to transformers' mask: varlen needs the samples' lengths, which such rows do not carry).
+        model: the model the user calls (`hf` itself, or a wrapper such as a PEFT model around it).
+        hf: the transformers model. The work is a forward pre-hook on its base model (LlamaModel in a
+            LlamaForCausalLM), which the head calls with the position ids, mask, cache and use_cache of the call: a
+            compiled model traces it into the graph of its forward (a hook on the outer model was a graph of its own,
+            a graph break before the forward that accelerate()'s autocast wraps).
+        cuda_attention: compute.cuda_packed_attention: "auto", "flex", "mask" or "varlen" (the last two: CUDA keeps
+            transformers' mask).
     """
     config = getattr(hf, "config", None)
     if (config is None or getattr(config, "_attn_implementation", None) != ACCEL_SDPA
-            or not type(hf).__name__.endswith(CAUSAL_LM_HEADS) or route in ("mask", "varlen")
+            or not type(hf).__name__.endswith(CAUSAL_LM_HEADS)
             or not all(takes_var_keywords(type(m).forward) for m in dict.fromkeys((model, hf, hf.base_model)))):
         return False
 
-    def add_block_masks(module, args, kwargs):
+    def per_sample(module, args, kwargs):
         position_ids = kwargs.get("position_ids")
+        use_cache = kwargs.get("use_cache")
         if (not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
-                or not flex_rows.flex_runs_on(position_ids.device) or kwargs.get("attention_mask") is not None
-                or SEGMENT_IDS in kwargs or kwargs.get("use_cache", config.use_cache) is not False
-                or carries_kv_cache(args, kwargs) or _route(route, position_ids.shape[1]) != "flex"):
+                or kwargs.get("attention_mask") is not None or SEGMENT_IDS in kwargs
+                or (config.use_cache if use_cache is None else use_cache) is not False
+                or carries_kv_cache(args, kwargs)):
+            return None
+        length = position_ids.shape[1]
+        route = flex_rows.auto_route(True, length) if cuda_attention == "auto" else cuda_attention
+        flex = route == "flex" and flex_rows.flex_runs_on(position_ids.device)
+        if not flex and position_ids.device.type != "cpu":
             return None
         segments = flattened_segments(position_ids)
-        window, _ = sliding_window(config)
-        if window is not None and window >= position_ids.shape[1]:  # a shorter row is within any window
-            window = None
         kwargs[SEGMENT_IDS], kwargs[SEGMENTS_CAUSAL] = segments, True
-        kwargs[FLEX_MASKS] = flex_document_masks(segments, True, window)
+        if flex:
+            window, _ = sliding_window(config)
+            # a shorter row is within any window
+            kwargs[FLEX_MASKS] = flex_document_masks(segments, True, window if window and window < length else None)
         return args, kwargs
 
-    model.register_forward_pre_hook(add_block_masks, with_kwargs=True)
+    hf.base_model.register_forward_pre_hook(per_sample, with_kwargs=True)
     return True

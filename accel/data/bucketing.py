@@ -291,7 +291,10 @@ def pad_to_bucket(batch: Mapping, buckets: Sequence[int], pad_values: Mapping[st
         batch: a mapping with "input_ids" [B, L]; every tensor whose dim 1 is L is a per-token field
             and is padded (dim >= 2); other values pass through.
         buckets: ascending sequence lengths.
-        pad_values: field name -> pad value (fields not named are padded with 0).
+        pad_values: field name -> pad value (fields not named are padded with 0). position_ids, unless named,
+            count on from 0 over the padding: rows a collator packed by position ids (DataCollatorWithFlattening)
+            then see their padding as one more sample, not one sample a pad token (transformers' packed masks and
+            accel's per-sample attention: one piece of work instead of one a token).
 
     Returns:
         a dict with every per-token field of length bucket_for(L).
@@ -309,6 +312,8 @@ def pad_to_bucket(batch: Mapping, buckets: Sequence[int], pad_values: Mapping[st
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length:
             padded = value.new_full((value.shape[0], width, *value.shape[2:]), pad_values.get(key, 0))
+            if key == "position_ids" and key not in pad_values:
+                padded[:, length:] = torch.arange(width - length, dtype=value.dtype)
             padded[:, :length] = value
             out[key] = padded
     return out

@@ -135,16 +135,21 @@ def test_batch_counts_padded_and_packed(device):
     packed = {"segment_ids": torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1]], device=device)}
     unmasked = {"input_ids": torch.ones(2, 5, dtype=torch.long, device=device)}  # accelerate() dropped a mask of ones
     images = {"pixel_values": torch.zeros(3, 3, 8, 8, device=device)}  # vit_base.py's: 17 tokens an image
+    # DataCollatorWithFlattening's row of samples of 2, 3 and 1 tokens, padded (token id 0) to a bucket of 9
+    flattened = {"input_ids": torch.tensor([[4, 5, 6, 7, 8, 9, 0, 0, 0]], device=device),
+                 "position_ids": torch.tensor([[0, 1, 0, 1, 2, 0, 0, 1, 2]], device=device)}
     # counted every step while CUDA steps are timed without a host sync: counting must not sync either
     if device == "cuda":
         torch.cuda.set_sync_debug_mode("error")
     try:
         counts = [bert_base.batch_counts(padded, packed=False), bert_base.batch_counts(packed, packed=True),
-                  bert_base.batch_counts(unmasked, packed=False), bert_base.batch_counts(images, False, 17)]
+                  bert_base.batch_counts(unmasked, packed=False), bert_base.batch_counts(images, False, 17),
+                  bert_base.batch_counts(flattened, False, flattened=True)]
     finally:
         if device == "cuda":
             torch.cuda.set_sync_debug_mode("default")
-    assert [c.tolist() for c in counts] == [[2, 5, 9 + 4], [3, 11, 4 + 9 + 36], [2, 10, 25 + 25], [3, 51, 3 * 289]]
+    assert [c.tolist() for c in counts] == [[2, 5, 9 + 4], [3, 11, 4 + 9 + 36], [2, 10, 25 + 25], [3, 51, 3 * 289],
+                                            [3, 6, 4 + 9 + 1]]
 
 
 def _row(mode, first, final, same_data=True):

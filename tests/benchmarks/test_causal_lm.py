@@ -20,6 +20,26 @@ def test_quick_run_packs_accels_rows_and_passes_the_loss_check(tmp_path):
     assert (tmp_path / "quick.png").exists() and (tmp_path / "quick_memory.png").exists()
 
 
+def test_quick_flattened_rows_train_in_one_graph(tmp_path):
+    """accel-flattened: the rows DataCollatorWithFlattening makes (batch x max_length tokens at most, one row, a
+    bucket of that length), one compiled graph, every sample counted once a row; the loss check passes."""
+    status = causal_lm.main(["--quick", "--modes", "accel,accel-flattened", "--results-dir", str(tmp_path),
+                             "--out", "flat"])
+    result = json.loads((tmp_path / "flat.json").read_text())
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert status == 0 and result["loss_check"]["verdict"] == "PASS"
+    row = rows["accel-flattened"]
+    assert row["status"] == "ok" and "flattened by the collator" in row["precision"] and not row["same_data"]
+    assert row["compiles"] == 1
+    # the loader: every sample once, as many a row as fit batch x max_length tokens
+    loader = causal_lm.Workload("causal", 4, 64, [{"input_ids": torch.arange(1, n + 1), "labels": torch.arange(n)}
+                                                  for n in (20, 30, 40, 50, 60)]).flattened_loader()
+    batches = list(loader)
+    assert sum(b["input_ids"].shape[1] for b in batches) == 200 and all(b["input_ids"].shape[1] <= 4 * 64
+                                                                        for b in batches)
+    assert sum(int((b["position_ids"] == 0).sum()) for b in batches) == 5  # each sample once, in some row
+
+
 def test_quick_fused_loss_row_takes_the_same_steps(tmp_path):
     """The memory.fused_lm_loss row (and --vocab, --prompt-fraction: the ignored prompts' rows skip the head's
     products): same losses as accel's packed rows; plotted over the peer."""

@@ -105,7 +105,7 @@ def test_models_without_a_cache_are_left_alone():
 
 def test_flattening_collators_rows_bucketed_train_each_sample_alone():
     """transformers' DataCollatorWithFlattening behind accelerate()'s buckets: rows of static length (the padding
-    gets position ids 0, each pad token a sample of its own), and each loss the plain model's over the same samples
+    gets position ids 0, 1, ...: one padding sample), and each loss the plain model's over the same samples
     flattened without a cache."""
     torch.manual_seed(0)
     plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(

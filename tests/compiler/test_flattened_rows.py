@@ -1,17 +1,20 @@
 """accel.compiler.flattened_rows: rows packed by the user's collator (DataCollatorWithFlattening, TRL: position ids
-restarting per sample, no attention mask) get FlexAttention with their document BlockMask on CUDA, against
-transformers' own dense packed mask (the same model without the hook, use_cache=False) and each sample alone.
-
-On the CPU, where Inductor has no FlexAttention backward (torch 2.9), the route is let through (flex_runs_on) for
-forward passes without gradients; on CUDA a bf16 training step and accelerate()'s compiled step.
+restarting per sample, no attention mask) get each sample's attention alone, against transformers' own dense
+packed mask (the same model without the hook, use_cache=False) and each sample alone: on the CPU by
+varlen_attention (a training step, and accelerate()'s compiled one); FlexAttention with their document BlockMask
+on CUDA, checked on the CPU with the route let through (flex_runs_on) for forward passes without gradients
+(Inductor has no FlexAttention backward there, torch 2.9), on CUDA in a bf16 training step and accelerate()'s
+compiled step.
 """
 import copy
 
 import pytest
 import torch
 
+import accel
 import accel.compiler.flex_rows as flex_rows
-from accel.compiler.flattened_rows import flattened_segments, flex_for_flattened_rows
+import accel.runtime.nn.varlen_attention as varlen
+from accel.compiler.flattened_rows import flattened_segments, per_sample_flattened_rows
 from tests.compiler.test_flex_rows import CUDA, _model, flex_calls
 from tests.compiler.test_packed import VOCAB, _close_in_norm
 
@@ -33,7 +36,7 @@ def _pair(family, device, route="flex"):
     """(the model with the hook, its twin without: transformers' packed mask), both "accel_sdpa"."""
     model = _model(family).to(device)
     twin = copy.deepcopy(model)
-    assert flex_for_flattened_rows(model, model, route)
+    assert per_sample_flattened_rows(model, model, route)
     return model, twin
 
 
@@ -66,10 +69,11 @@ def test_flattened_rows_take_flex_attention_with_transformers_logits(monkeypatch
             start += len(ids)
 
 
-def test_only_uncached_unmasked_flattened_calls_of_long_enough_rows_are_changed(monkeypatch):
+def test_only_uncached_unmasked_flattened_calls_of_long_enough_rows_take_flex(monkeypatch):
     """A call with a cache (or use_cache left on: transformers then reads no packing from the position ids), with an
-    attention mask, or without position ids keeps transformers' attention; "auto" takes rows of AUTO_MIN_ROW
-    tokens or more; "mask" and "varlen" and models that are not causal LMs with "accel_sdpa" get no hook."""
+    attention mask, or without position ids keeps transformers' attention; "auto" takes FlexAttention for rows of
+    AUTO_MIN_ROW tokens or more, "mask" and "varlen" never (on the CPU: each sample alone, varlen_attention); models
+    that are not causal LMs with "accel_sdpa" get no hook."""
     calls = flex_calls(monkeypatch, "cpu")
     batch, _ = _flattened("cpu")
     model, _ = _pair("llama", "cpu")
@@ -78,24 +82,74 @@ def test_only_uncached_unmasked_flattened_calls_of_long_enough_rows_are_changed(
         model(**batch, use_cache=False, attention_mask=torch.ones_like(batch["input_ids"]))
         model(input_ids=batch["input_ids"], use_cache=False)
         assert calls == []
-        auto, _ = _pair("llama", "cpu", route="auto")
-        auto(**batch, use_cache=False)  # rows of 16
+        for route in ("auto", "mask", "varlen"):
+            other, _ = _pair("llama", "cpu", route=route)
+            other(**batch, use_cache=False)  # rows of 16
         assert calls == []
         monkeypatch.setattr(flex_rows, "AUTO_MIN_ROW", 16)
-        auto(**batch, use_cache=False)
+        other, _ = _pair("llama", "cpu", route="auto")
+        other(**batch, use_cache=False)
         assert calls == ["same_segment_causal"] * 2
         calls.clear()
         model.config.use_cache = False
         model(**batch)
         assert calls == ["same_segment_causal"] * 2
-    llama = _model("llama")
-    assert not flex_for_flattened_rows(llama, llama, "mask") and not flex_for_flattened_rows(llama, llama, "varlen")
     bert = _model("bert")
-    assert not flex_for_flattened_rows(bert, bert, "flex")  # a masked LM: bidirectional
+    assert not per_sample_flattened_rows(bert, bert)  # a masked LM: bidirectional
+    llama = _model("llama")
     sdpa = transformers.LlamaForCausalLM(llama.config)
     sdpa.config._attn_implementation = "sdpa"
-    assert not flex_for_flattened_rows(sdpa, sdpa, "flex")  # not accel_sdpa: the keywords would reach nothing
-    assert not flex_for_flattened_rows(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), "flex")
+    assert not per_sample_flattened_rows(sdpa, sdpa)  # not accel_sdpa: the keywords would reach nothing
+    assert not per_sample_flattened_rows(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+
+
+def varlen_calls(monkeypatch) -> list:
+    """The segment ids the CPU's per-sample attention is called with."""
+    calls, original = [], varlen.varlen_attention
+
+    def recorded(query, key, value, segment_ids, **kwargs):
+        calls.append(segment_ids)
+        return original(query, key, value, segment_ids, **kwargs)
+
+    monkeypatch.setattr(varlen, "varlen_attention", recorded)
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral_window"])
+def test_a_cpu_training_step_computes_each_sample_alone(monkeypatch, family):
+    """fp32 on the CPU: each layer's attention per sample (the rows' segments as transformers finds them), logits,
+    loss and every gradient equal to transformers' packed mask's."""
+    calls = varlen_calls(monkeypatch)
+    model, twin = _pair(family, "cpu", route="mask")
+    batch, _ = _flattened("cpu")
+    out, want = model(**batch, use_cache=False), twin(**batch, use_cache=False)
+    assert len(calls) == 2 and all(torch.equal(c, flattened_segments(batch["position_ids"])) for c in calls)
+    torch.testing.assert_close(out.logits, want.logits, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    want.loss.backward()
+    reference = dict(twin.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, reference[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_accelerate_on_the_cpu_trains_flattened_rows_per_sample(monkeypatch):
+    """transformers' DataCollatorWithFlattening behind accelerate()'s buckets, compiled: the attention per sample
+    (the padding one sample of its own), each loss the plain model's over the same samples without a cache."""
+    calls = varlen_calls(monkeypatch)
+    plain = _model("llama")
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(1, VOCAB, (int(n),), generator=g).tolist()}
+            for n in torch.randint(4, 20, (8,), generator=g)]
+    collate = transformers.DataCollatorWithFlattening()
+    config = accel.Config(backend="cpu")
+    config.dataloader.buckets = [64, 96]
+    model, loader = accel.accelerate(copy.deepcopy(plain), torch.utils.data.DataLoader(data, batch_size=4,
+                                                                                       collate_fn=collate), config)
+    for i, batch in enumerate(loader):
+        assert batch["input_ids"].shape == (1, 64)
+        want = plain(**collate(data[4 * i:4 * i + 4]), use_cache=False).loss
+        torch.testing.assert_close(model(**batch)["loss"], want, rtol=1e-5, atol=1e-6)
+    assert i == 1 and calls
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral_window", "gemma3"])
@@ -122,8 +176,6 @@ def test_a_cuda_training_step_matches_transformers_packed_mask(monkeypatch, fami
 def test_accelerate_trains_flattened_rows_with_flex_attention_as_with_the_mask(monkeypatch, device):
     """Through accelerate() (compiled, CUDA graphs, fp32, use_cache left to accel's training calls): the BlockMasks
     built inside the compiled graph, the same losses step after step as compute.cuda_packed_attention="mask"."""
-    import accel
-
     calls = flex_calls(monkeypatch, device)
     losses = {}
     for route in ("mask", "flex"):

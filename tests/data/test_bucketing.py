@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from accel.data import BucketBatchSampler, BucketingCollate, BucketingLoader
-from accel.data.bucketing import bucket_for, bucket_padding_stats
+from accel.data.bucketing import bucket_for, bucket_padding_stats, pad_to_bucket
 
 BUCKETS = (8, 16, 32, 64)
 
@@ -31,6 +31,20 @@ def test_collate_pads_to_bucket_and_keeps_values():
     assert batch["token_type_ids"][0].tolist() == [0, 1, 1] + [0] * 13
     assert batch["attention_mask"].sum(1).tolist() == [3, 10]
     assert batch["input_ids"][1, :10].tolist() == list(range(1, 11))
+
+
+def test_pad_to_bucket_counts_position_ids_on_over_the_padding():
+    """A collated batch padded to its bucket: the pad values asked for, position ids 0, 1, ... over the padding
+    (rows packed by position ids then hold one padding sample, as transformers finds samples), unless named."""
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "position_ids": torch.tensor([[0, 1, 2, 0, 1]]),
+             "labels": torch.tensor([[-100, 6, 7, -100, 9]]), "num_items": 3}
+    padded = pad_to_bucket(batch, BUCKETS, {"input_ids": 0, "labels": -100})
+    assert padded["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]]
+    assert padded["labels"].tolist() == [[-100, 6, 7, -100, 9, -100, -100, -100]]
+    assert padded["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]] and padded["num_items"] == 3
+    masking = pytest.importorskip("transformers.masking_utils")
+    assert masking.find_packed_sequence_indices(padded["position_ids"]).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
+    assert pad_to_bucket(batch, BUCKETS, {"position_ids": 0})["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 0, 0]]
 
 
 def test_random_batches_only_ever_see_bucket_shapes():
