@@ -101,26 +101,3 @@ def test_models_without_a_cache_are_left_alone():
     assert not no_cache_when_training(gpt2, gpt2)  # off already
     with pytest.raises(ValueError, match="model: expected a module compiled"):
         no_cache_when_training(_gpt2(), _gpt2())
-
-
-def test_flattening_collators_rows_bucketed_train_each_sample_alone():
-    """transformers' DataCollatorWithFlattening behind accelerate()'s buckets: rows of static length (the padding
-    gets position ids 0, 1, ...: one padding sample), and each loss the plain model's over the same samples
-    flattened without a cache."""
-    torch.manual_seed(0)
-    plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=64)).train()
-    g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": torch.randint(1, 97, (int(n),), generator=g).tolist()}
-            for n in torch.randint(4, 20, (12,), generator=g)]
-    collate = transformers.DataCollatorWithFlattening()
-    config = accel.Config(backend="cpu")
-    config.dataloader.buckets = [64, 96]
-    model, loader = accel.accelerate(copy.deepcopy(plain), torch.utils.data.DataLoader(data, batch_size=4,
-                                                                                       collate_fn=collate), config)
-    for i, batch in enumerate(loader):
-        assert batch["input_ids"].shape == (1, 64)
-        want = plain(**collate(data[4 * i:4 * i + 4]), use_cache=False).loss
-        torch.testing.assert_close(model(**batch)["loss"], want, rtol=1e-5, atol=1e-6)
-    assert i == 2

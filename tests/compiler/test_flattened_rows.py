@@ -133,13 +133,15 @@ def test_a_cpu_training_step_computes_each_sample_alone(monkeypatch, family):
 
 
 def test_accelerate_on_the_cpu_trains_flattened_rows_per_sample(monkeypatch):
-    """transformers' DataCollatorWithFlattening behind accelerate()'s buckets, compiled: the attention per sample
-    (the padding one sample of its own), each loss the plain model's over the same samples without a cache."""
+    """transformers' DataCollatorWithFlattening behind accelerate()'s buckets, compiled: rows of static length (the
+    padding one sample of its own: position ids 0, 1, ...), the attention per sample, and each loss the plain
+    model's over the same samples flattened without a cache (accel's compiled training calls build none)."""
     calls = varlen_calls(monkeypatch)
     plain = _model("llama")
+    assert plain.config.use_cache
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": torch.randint(1, VOCAB, (int(n),), generator=g).tolist()}
-            for n in torch.randint(4, 20, (8,), generator=g)]
+            for n in torch.randint(4, 20, (12,), generator=g)]
     collate = transformers.DataCollatorWithFlattening()
     config = accel.Config(backend="cpu")
     config.dataloader.buckets = [64, 96]
@@ -149,7 +151,7 @@ def test_accelerate_on_the_cpu_trains_flattened_rows_per_sample(monkeypatch):
         assert batch["input_ids"].shape == (1, 64)
         want = plain(**collate(data[4 * i:4 * i + 4]), use_cache=False).loss
         torch.testing.assert_close(model(**batch)["loss"], want, rtol=1e-5, atol=1e-6)
-    assert i == 1 and calls
+    assert i == 2 and calls
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral_window", "gemma3"])
