@@ -312,7 +312,7 @@ def pad_to_bucket(batch: Mapping, buckets: Sequence[int], pad_values: Mapping[st
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length:
             padded = value.new_full((value.shape[0], width, *value.shape[2:]), pad_values.get(key, 0))
-            if key == "position_ids" and key not in pad_values:
+            if key == "position_ids" and key not in pad_values and value.dim() == 2:
                 padded[:, length:] = torch.arange(width - length, dtype=value.dtype)
             padded[:, :length] = value
             out[key] = padded

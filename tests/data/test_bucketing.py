@@ -45,6 +45,8 @@ def test_pad_to_bucket_counts_position_ids_on_over_the_padding():
     masking = pytest.importorskip("transformers.masking_utils")
     assert masking.find_packed_sequence_indices(padded["position_ids"]).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
     assert pad_to_bucket(batch, BUCKETS, {"position_ids": 0})["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 0, 0]]
+    three = {"input_ids": batch["input_ids"], "position_ids": torch.arange(15).view(1, 5, 3)}  # a position a row each
+    assert pad_to_bucket(three, BUCKETS, {})["position_ids"][0, 5:].eq(0).all()
 
 
 def test_random_batches_only_ever_see_bucket_shapes():
