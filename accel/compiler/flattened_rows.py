@@ -72,8 +72,8 @@ def per_sample_flattened_rows(model: nn.Module, hf: nn.Module, cuda_attention: s
                 or carries_kv_cache(args, kwargs)):
             return None
         length = position_ids.shape[1]
-        route = flex_rows.auto_route(True, length) if cuda_attention == "auto" else cuda_attention
-        flex = route == "flex" and flex_rows.flex_runs_on(position_ids.device)
+        flex = (flex_rows.route_for(cuda_attention, True, length) == "flex"
+                and flex_rows.flex_runs_on(position_ids.device))
         if not flex and position_ids.device.type != "cpu":
             return None
         segments = flattened_segments(position_ids)

@@ -28,9 +28,11 @@ MIN_HEAD_DIM = 16
 AUTO_MIN_ROW = 1024
 
 
-def auto_route(causal: bool, row_length: int) -> str:
-    """The route compute.cuda_packed_attention="auto" takes for packed rows of `row_length` tokens: "flex" for
-    causal rows of AUTO_MIN_ROW tokens or more, else "mask"."""
+def route_for(route: str, causal: bool, row_length: int) -> str:
+    """The route of compute.cuda_packed_attention `route` for packed rows of `row_length` tokens: "auto" is "flex"
+    for causal rows of AUTO_MIN_ROW tokens or more, else "mask"; the others are themselves."""
+    if route != "auto":
+        return route
     return "flex" if causal and row_length >= AUTO_MIN_ROW else "mask"
 
 

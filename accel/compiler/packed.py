@@ -387,9 +387,7 @@ class PackedModel(nn.Module):
             # transformers' models with local and global layers take one mask per kind of layer
             mask = local if every_layer else {"full_attention": mask, "sliding_attention": local}
         per_sample = backend == ACCEL_SDPA and self._passes_kwargs
-        route = self.cuda_attention
-        if route == "auto":
-            route = flex_rows.auto_route(decoder, input_ids.shape[1])
+        route = flex_rows.route_for(self.cuda_attention, decoder, input_ids.shape[1])
         if (per_sample and route == "varlen" and seq_lens is not None
                 and varlen_attention.flash_varlen_runs_on(input_ids.device)):
             # ACCEL_SDPA's attention computes each sample alone on CUDA by FlashAttention's varlen kernel, over

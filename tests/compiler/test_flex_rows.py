@@ -142,8 +142,9 @@ def test_auto_takes_flex_for_long_causal_rows_only(monkeypatch):
     """"auto" (the default): FlexAttention for a decoder's rows of AUTO_MIN_ROW tokens or more, the mask for shorter
     rows and for an encoder's rows of any length."""
     assert flex_rows.AUTO_MIN_ROW == 1024
-    assert [flex_rows.auto_route(True, n) for n in (1023, 1024, 4096)] == ["mask", "flex", "flex"]
-    assert flex_rows.auto_route(False, 4096) == "mask"
+    assert [flex_rows.route_for("auto", True, n) for n in (1023, 1024, 4096)] == ["mask", "flex", "flex"]
+    assert flex_rows.route_for("auto", False, 4096) == "mask"
+    assert [flex_rows.route_for(r, True, 4096) for r in ("mask", "varlen", "flex")] == ["mask", "varlen", "flex"]
     calls = flex_calls(monkeypatch, "cpu")
     llama, bert = PackedModel(_model("llama")), PackedModel(_model("bert"))
     assert llama.cuda_attention == bert.cuda_attention == "auto"
