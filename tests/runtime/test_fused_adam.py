@@ -530,13 +530,13 @@ def test_sparse_grad_is_rejected_and_nothing_changes():
         opt.step(found_inf=1.0)
 
 
-def _kernel_run(device, dtype, views, *, steps=3, chunk_size=5, skip=(), **kw):
+def _kernel_run(device, dtype, views, *, steps=3, chunk_size=5, skip=(), scaled=True, **kw):
     """fused_adam_step over `views(device)` (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq lists
-    built from the same seeded values on every device); the steps numbered in `skip` get found_inf=1.
-    Returns every tensor, on the CPU."""
+    built from the same seeded values on every device); the steps numbered in `skip` get found_inf=1;
+    `scaled`: the grads come with a grad_scale of 4. Returns every tensor, on the CPU."""
     ps, gs, ms, vs, xs = views(device, dtype)
     st = [torch.zeros((), device=device) for _ in ps]
-    scale = torch.tensor(4.0, device=device)
+    scale = torch.tensor(4.0, device=device) if scaled else None
     for k in range(steps):
         fused_adam_step(ps, [g * (k + 1) for g in gs], ms, vs, xs, st, chunk_size=chunk_size, grad_scale=scale,
                         found_inf=torch.tensor(float(k in skip), device=device), **kw)
@@ -572,7 +572,8 @@ def test_a_chunk_larger_than_every_tensor_is_one_chunk(device):
 
 
 def _awkward_views(device, dtype, compact=False):
-    """Odd sizes, a tensor of a view that starts mid-vector (not 16-byte aligned), a transposed
+    """Odd sizes, views that start mid-vector (1 element in: no access width's alignment; 4 elements in: a 16-bit
+    view aligned for packs of 4 but not to 16 bytes), a transposed
     (non-contiguous) one, an empty one and one long enough for every CUDA thread to go round its loop twice: every
     path of the kernels' alignment and layout logic.
     `compact`: the state in the param dtype."""
@@ -584,9 +585,10 @@ def _awkward_views(device, dtype, compact=False):
 
     def lists(dt, positive=False):
         base = make((1 + 1029,), dt)
-        # 4109: over two 16-byte packs per CUDA thread (256 threads) for every dtype, plus a tail: a second
-        # round of the thread's loop
-        out = [make((1029,), dt), base[1:], make((33, 9), dt).t(), make((0,), dt), make((1,), dt), make((4109,), dt)]
+        # 4109: over two packs per CUDA thread (256 threads) for every dtype, plus a tail: a second round of the
+        # thread's loop
+        out = [make((1029,), dt), base[1:], make((4 + 1029,), dt)[4:], make((33, 9), dt).t(), make((0,), dt),
+               make((1,), dt), make((4109,), dt)]
         return [t.abs() for t in out] if positive else out
 
     return lists(dtype), lists(dtype), lists(sdt), lists(sdt, True), lists(sdt, True)
@@ -619,7 +621,7 @@ def _many_views(count):
 def test_cuda_many_tensors_mixed_dtypes_equal_cpu_kernel():
     # More tensors than one launch carries, for both argument sizes (480 or 32 tensors a dtype per
     # update launch, 3968 or 480 step counters per advance launch): 4000 tensors, ~2800 of them fp32.
-    # Chunks of 8 elements: on CUDA one 16-byte pack of a bf16/fp16 chunk (two of fp32) where the
+    # Chunks of 8 elements: on CUDA two packs of 4 elements of a bf16/fp16 chunk (as of fp32) where the
     # tensor's pointers allow it, the scalar loop where not; on the CPU always the scalar loop, which
     # test_cuda_kernel_equals_cpu_kernel pins to the CUDA kernel's bits. Step 2 is skipped with
     # found_inf=1 on the device; params, state and step counters (list order of _kernel_run: params,
@@ -640,13 +642,15 @@ def test_cuda_many_tensors_mixed_dtypes_equal_cpu_kernel():
                                            (torch.float64, False), (torch.bfloat16, True), (torch.float16, True)],
                          ids=["fp32", "bf16", "fp16", "fp64", "bf16-compact", "fp16-compact"])
 @pytest.mark.parametrize("decoupled", [False, True], ids=["adam", "adamw"])
-def test_cuda_kernel_equals_cpu_kernel(dtype, compact, decoupled):
+@pytest.mark.parametrize("general", [True, False], ids=["general", "plain"])
+def test_cuda_kernel_equals_cpu_kernel(dtype, compact, decoupled, general):
     # Both devices run fused_adam_host::adam_element with a pinned rounding sequence: the same bits
     # for unaligned views, strided tensors, odd sizes and chunk starts mid-vector, with the state in
     # fp32 or compact. float64 may differ in the last bit of the bias corrections (the device's pow is
-    # not correctly rounded).
-    kw = dict(lr=torch.tensor(1e-2), beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=True,
-              maximize=True, decoupled_weight_decay=decoupled)
+    # not correctly rounded). "plain": no amsgrad and no grad_scale, the CUDA kernels whose options are
+    # compile-time constants (kPlain, kPlainCoupled).
+    kw = dict(lr=torch.tensor(1e-2), beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=general,
+              maximize=True, decoupled_weight_decay=decoupled, scaled=general)
     views = functools.partial(_awkward_views, compact=compact)
     cpu = _kernel_run("cpu", dtype, views, **kw)
     cuda = _kernel_run("cuda", dtype, views, **kw)
