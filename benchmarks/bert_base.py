@@ -54,7 +54,8 @@ Modes (one row each, in this order, one process)
                  position ids restart per sample; dataloader.buckets makes it static), as TRL's padding-free
                  packing feeds a model. Only when --modes names it.
   accel:F=V[+F=V...]  the accel row with Config fields set otherwise, e.g. accel:compute.fuse_qkv=false:
-                 an A/B of one of accelerate()'s choices in the same run (any number of such rows).
+                 an A/B of one of accelerate()'s choices in the same run (any number of such rows);
+                 accel-flattened:F=V likewise.
 
 Reported per mode: samples/s and real (non-pad) tokens/s over the timed steps; step time median and p90;
 the times Inductor ran a graph without the CUDA graphs it was asked for (graph skips; each reason is printed
@@ -640,7 +641,8 @@ SETUPS = {"eager": setup_eager, "eager-amp": setup_eager_amp, "peer": setup_peer
           "accel-kernels": setup_accel_kernels, "accel-xla": setup_accel_xla, "accel": setup_accel,
           "accel-model-only": lambda ctx: setup_accel(ctx, model_only=True),
           "accel-step-graph": lambda ctx: setup_accel(ctx, step_graph=True),
-          "accel-flattened": lambda ctx: setup_accel(ctx, flattened=True)}
+          "accel-flattened": lambda ctx, overrides=None: setup_accel(ctx, overrides, flattened=True)}
+CONFIGURABLE_MODES = ("accel", "accel-flattened")  # the rows that take accel:FIELD=VALUE variants
 
 
 def setup(mode: str, ctx: Context) -> Run:
@@ -991,8 +993,8 @@ def split_mode(mode: str) -> tuple[str, dict[str, str]]:
         if not sep:
             raise argparse.ArgumentTypeError(f"mode {mode!r}: expected FIELD=VALUE after ':', got {item!r}")
         overrides[field.strip()] = value.strip()
-    if overrides and base != "accel":
-        raise argparse.ArgumentTypeError(f"mode {mode!r}: only accel takes Config fields")
+    if overrides and base not in CONFIGURABLE_MODES:
+        raise argparse.ArgumentTypeError(f"mode {mode!r}: only {' and '.join(CONFIGURABLE_MODES)} take Config fields")
     return base, overrides
 
 

@@ -189,6 +189,11 @@ def test_accel_variants_set_config_fields():
     # a name past a dict field is that dict's key
     inductor = bert_base.parse_modes("accel:compute.inductor_options.combo_kernels=true")[0]
     assert bert_base.accel_config(bert_base.split_mode(inductor)[1]).compute.inductor_options == {"combo_kernels": True}
+    # accel-flattened takes them too (its route A/B on CUDA); other modes do not
+    flat = bert_base.parse_modes("accel-flattened:compute.cuda_packed_attention=mask")[0]
+    assert bert_base.split_mode(flat) == ("accel-flattened", {"compute.cuda_packed_attention": "mask"})
+    with pytest.raises(Exception, match="only accel and accel-flattened take Config fields"):
+        bert_base.split_mode("peer:compute.bf16=true")
     # variants are headline rows too, in the order given
     assert bert_base.run_order(1, ["eager", "accel:compute.kernels=false", "peer"]) == [
         (0, "accel:compute.kernels=false"), (0, "peer"), (0, "eager")]
