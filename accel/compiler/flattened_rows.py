@@ -79,9 +79,7 @@ def per_sample_flattened_rows(model: nn.Module, hf: nn.Module, cuda_attention: s
         segments = flattened_segments(position_ids)
         kwargs[SEGMENT_IDS], kwargs[SEGMENTS_CAUSAL] = segments, True
         if flex:
-            window, _ = sliding_window(config)
-            # a shorter row is within any window
-            kwargs[FLEX_MASKS] = flex_document_masks(segments, True, window if window and window < length else None)
+            kwargs[FLEX_MASKS] = flex_document_masks(segments, True, sliding_window(config, length)[0])
         return args, kwargs
 
     hf.base_model.register_forward_pre_hook(per_sample, with_kwargs=True)

@@ -119,12 +119,15 @@ def flex_document_masks(segment_ids: torch.Tensor, causal: bool, window: int | N
     return masks
 
 
-def sliding_window(config) -> tuple[int | None, bool]:
+def sliding_window(config, row_length: int | None = None) -> tuple[int | None, bool]:
     """(window, whether every layer slides) of a transformers decoder with sliding-window attention, else
     (None, False): Mistral's layers all slide, Gemma's alternate local (sliding) and global layers
-    (config.layer_types), Qwen2 slides only with use_sliding_window."""
+    (config.layer_types), Qwen2 slides only with use_sliding_window. With `row_length`, a window at least that long
+    is none (a shorter row is within any window)."""
     window = getattr(config, "sliding_window", None)
     if not window or getattr(config, "use_sliding_window", True) is False:
+        return None, False
+    if row_length is not None and window >= row_length:
         return None, False
     types = getattr(config, "layer_types", None)
     if not types:
@@ -379,9 +382,7 @@ class PackedModel(nn.Module):
                                "run the forward under torch.no_grad()")
         decoder = self.head in ("causal", "last_token")
         mask = document_mask(segment_ids, backend, dtype=self.model.dtype, causal=decoder)
-        window, every_layer = sliding_window(self.model.config) if decoder else (None, False)
-        if window is not None and window >= input_ids.shape[1]:  # a shorter row is within any window
-            window = None
+        window, every_layer = sliding_window(self.model.config, input_ids.shape[1]) if decoder else (None, False)
         if window is not None:
             local = document_mask(segment_ids, backend, dtype=self.model.dtype, causal=True, window=window)
             # transformers' models with local and global layers take one mask per kind of layer

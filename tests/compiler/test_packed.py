@@ -676,6 +676,8 @@ def test_sliding_window_document_mask_by_hand_and_the_configs_that_slide():
         with pytest.raises(ValueError, match="window"):
             document_mask(segments, "sdpa", causal=causal, window=window)
     assert sliding_window(transformers.MistralConfig(sliding_window=8)) == (8, True)
+    assert sliding_window(transformers.MistralConfig(sliding_window=8), 9) == (8, True)
+    assert sliding_window(transformers.MistralConfig(sliding_window=8), 8) == (None, False)  # cuts nothing
     assert sliding_window(transformers.Gemma2Config(sliding_window=8, num_hidden_layers=2)) == (8, False)
     assert sliding_window(transformers.Qwen2Config(sliding_window=8, use_sliding_window=False)) == (None, False)
     assert sliding_window(transformers.LlamaConfig()) == (None, False)
