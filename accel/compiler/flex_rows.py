@@ -51,8 +51,13 @@ def flex_fits(query: torch.Tensor, key: torch.Tensor) -> bool:
 
 @functools.cache
 def _compiled_flex_attention():
-    # outside a compiled graph FlexAttention runs its unfused reference (every score materialised): compiled once
-    return torch.compile(flex_attention, dynamic=False)
+    # Outside a compiled graph FlexAttention runs its unfused reference (every score materialised), so the calls of
+    # an uncompiled model take it compiled, with Dynamo's automatic dynamic shapes (flex_document_attention turns
+    # them on for the call: importing torch_xla turns them off for the process): a new row length compiles one
+    # graph of symbolic lengths that later lengths reuse. With dynamic=False each length compiled a graph of its
+    # own, and rows of ever-changing lengths (a user's flattened rows without buckets) reached Dynamo's recompile
+    # limit after 8 and fell back to the unfused reference for the rest of the process.
+    return torch.compile(flex_attention, dynamic=None)
 
 
 def flex_document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask,
@@ -72,5 +77,8 @@ def flex_document_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     device = query.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     query, key, value = (t.to(dtype) for t in (query, key, value))
-    attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
-    return attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
+    gqa = query.shape[1] != key.shape[1]
+    if torch.compiler.is_compiling():
+        return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=True):
+        return _compiled_flex_attention()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)

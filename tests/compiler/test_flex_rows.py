@@ -6,6 +6,7 @@ FlexAttention backward (torch 2.9), the route is let through (flex_runs_on) for 
 in fp32: which calls take FlexAttention, with which BlockMask, and the logits, are checked exactly.
 """
 import copy
+import warnings
 
 import pytest
 import torch
@@ -167,6 +168,33 @@ def test_flex_fits_asks_for_cuda_heads_of_16_and_one_length(monkeypatch):
     assert not flex_rows.flex_fits(q[..., :8], k[..., :8])  # heads of 8
     assert not flex_rows.flex_fits(q, k[:, :, :4])  # keys of another length (cross-attention, a cut query)
     assert not flex_rows.flex_fits(q, torch.zeros(1, 3, 8, 16))  # 3 key heads do not divide 4
+
+
+def test_uncompiled_calls_of_ever_changing_lengths_stay_fused():
+    """Outside a compiled graph (compute.compile=False) FlexAttention is called compiled, and rows of a new length
+    every call (flattened rows without buckets) reuse one graph of symbolic lengths from the second length on: no
+    recompilation per length, so no fall back to the unfused reference past Dynamo's recompile limit (8), which
+    dynamic=False reached (also in a process that imported torch_xla, which turns automatic dynamic shapes off). Forward passes on the CPU (Inductor's FlexAttention forward runs there), each length's
+    output against SDPA with the dense document mask."""
+    from torch._dynamo.utils import counters
+
+    from accel.compiler.packed import FLEX, document_mask
+
+    torch._dynamo.reset()  # the earlier tests' graphs of flex_attention count against the same limit
+    graphs = counters["stats"]["unique_graphs"]
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*without torch.compile.*")  # the unfused reference
+        for length in range(64, 64 + 12 * 24, 24):  # 12 lengths
+            segments = (torch.arange(length) // 40 + 1).expand(2, length).contiguous()
+            q, k, v = (torch.randn(2, 4, length, 16) for _ in range(3))
+            with torch.no_grad():
+                out = flex_rows.flex_document_attention(q, k, v, document_mask(segments, FLEX, causal=True))
+            expected = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=document_mask(segments, "sdpa", causal=True))
+            torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    # the first length; symbolic lengths within one block of 128 (a dimension of 1 is never symbolic); then any
+    assert counters["stats"]["unique_graphs"] - graphs <= 3
 
 
 @pytest.mark.parametrize("device", [CUDA])
