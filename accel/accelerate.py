@@ -485,10 +485,15 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
 
             inductor_options.setdefault("joint_custom_pre_pass", DrawDropoutMasks())
         call_shapes = _compile(model, backend, device, cuda_graphs, n_shapes, inductor_options, watch_shapes, hf)
-    elif watch_shapes and backend == "xla":  # XLA compiles a graph per shape by nature
-        from accel.compiler.batch_shapes import watch_call_shapes
+    else:
+        if hf is not None:  # as _compile does for a compiled model
+            from accel.compiler.decoding import no_cache_when_training
 
-        call_shapes = watch_call_shapes(model)
+            no_cache_when_training(model, hf)
+        if watch_shapes and backend == "xla":  # XLA compiles a graph per shape by nature
+            from accel.compiler.batch_shapes import watch_call_shapes
+
+            call_shapes = watch_call_shapes(model)
     from accel.compiler.optimizer import adopt_optimizers
 
     adopt_optimizers(model, compile_steps=compiled, reduce_gradients=distributed.reduces_gradients_on_step(model),

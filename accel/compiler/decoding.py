@@ -16,7 +16,7 @@ in training too unless gradient checkpointing is on. A training step never reads
 transformers does not look for packed rows in the position ids (masking_utils reads them only without a cache):
 rows packed by DataCollatorWithFlattening or TRL's packing (position ids restarting at each sample, no attention
 mask) then attend across their samples, silently. `no_cache_when_training(model, hf)` gives the training calls of
-the compiled model (training mode, gradients on) that pass neither use_cache nor a cache use_cache=False, as
+the model (training mode, gradients on; compiled or not) that pass neither use_cache nor a cache use_cache=False, as
 PackedModel's rows have.
 """
 from __future__ import annotations
@@ -59,24 +59,37 @@ def eager_when_decoding(model: nn.Module) -> None:
 
 
 def no_cache_when_training(model: nn.Module, hf: nn.Module) -> bool:
-    """Let training calls of `model` (compiled by `model.compile()`; `hf` the transformers model inside it) that
-    pass neither use_cache nor a key/value cache run with use_cache=False. Returns whether it did: False where
-    `hf`'s forward takes no use_cache or its config has it off already.
+    """Let training calls of `model` (`hf` the transformers model inside it) that pass neither use_cache nor a
+    key/value cache run with use_cache=False. Returns whether it did: False where `hf`'s forward takes no use_cache
+    or its config has it off already.
 
-    Raises:
-        ValueError: the model was not compiled with `model.compile()`.
+    A model compiled by `model.compile()` gets it in front of its compiled call (plain Python, outside the graph);
+    an uncompiled one (compute.compile=False, the xla backend) as a forward pre-hook on `hf`.
     """
     try:
-        takes_use_cache = "use_cache" in inspect.signature(type(hf).forward).parameters
+        parameters = list(inspect.signature(type(hf).forward).parameters)
     except (TypeError, ValueError):
-        takes_use_cache = False
-    if not takes_use_cache or not getattr(getattr(hf, "config", None), "use_cache", False):
+        parameters = []
+    if "use_cache" not in parameters or not getattr(getattr(hf, "config", None), "use_cache", False):
         return False
+    positional = parameters.index("use_cache") - 1  # past `self`: a call with more positional arguments passes it
+
+    def without_cache(args: tuple, kwargs: dict) -> bool:
+        return ("use_cache" not in kwargs and len(args) <= positional and hf.training and torch.is_grad_enabled()
+                and not carries_kv_cache(args, kwargs))
+
+    if getattr(model, "_compiled_call_impl", None) is None:
+        def pre_hook(module, args, kwargs):
+            if without_cache(args, kwargs):
+                return args, {**kwargs, "use_cache": False}
+            return None
+
+        hf.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        return True
 
     def wrap(compiled):
         def call(*args, **kwargs):
-            if ("use_cache" not in kwargs and model.training and torch.is_grad_enabled()
-                    and not carries_kv_cache(args, kwargs)):
+            if without_cache(args, kwargs):
                 kwargs["use_cache"] = False
             return compiled(*args, **kwargs)
 

@@ -1,8 +1,8 @@
 """Rows the user's collator packed (position ids restarting per sample): each sample's attention alone.
 
 transformers' DataCollatorWithFlattening and TRL's packing put several samples in one row with position ids that
-restart at 0 per sample and no attention mask; without a key/value cache (accel.compiler.decoding gives compiled
-training calls none) transformers finds the samples in the position ids and builds a dense [B, 1, L, L] packed
+restart at 0 per sample and no attention mask; without a key/value cache (accel.compiler.decoding gives training
+calls none) transformers finds the samples in the position ids and builds a dense [B, 1, L, L] packed
 mask, which SDPA computes over the whole row: its cost grows with the row's length squared, not with its samples'.
 `per_sample_flattened_rows(model, hf, cuda_attention)` gives such calls of a causal language model with
 "accel_sdpa" attention (accelerate() sets it) what dataloader.pack's rows get from PackedModel: on the CPU each

@@ -1,6 +1,7 @@
 """accel.compiler.decoding: generate() after accelerate() runs uncompiled, giving the plain model's tokens
 without a compilation per token; training calls stay compiled."""
 import copy
+import inspect
 
 import pytest
 import torch
@@ -66,16 +67,19 @@ def _flattened_rows(lengths=(5, 7, 4), rows=2):
     return {"input_ids": ids, "position_ids": positions, "labels": ids}, samples
 
 
-def test_training_on_flattened_rows_attends_within_each_sample():
-    """accelerate()'s compiled Llama in training: each flattened sample's logits are those it has alone (no cache
-    built, so transformers reads the packed position ids), and the loss is the plain call's with use_cache=False."""
+@pytest.mark.parametrize("compile", [True, False])
+def test_training_on_flattened_rows_attends_within_each_sample(compile):
+    """accelerate()'s Llama in training, compiled or not: each flattened sample's logits are those it has alone (no
+    cache built, so transformers reads the packed position ids), and the loss is the plain call's with
+    use_cache=False."""
     torch.manual_seed(0)
     plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
         intermediate_size=64, attn_implementation="sdpa")).train()
     assert plain.config.use_cache
     batch, samples = _flattened_rows()
-    model = accel.accelerate(copy.deepcopy(plain), config=accel.Config(backend="cpu"))
+    config = accel.Config(backend="cpu", compute=accel.config.ComputeConfig(compile=compile))
+    model = accel.accelerate(copy.deepcopy(plain), config=config)
     out = model(**batch)
     assert out.past_key_values is None
     for r, row in enumerate(samples):
@@ -99,5 +103,18 @@ def test_models_without_a_cache_are_left_alone():
     gpt2.config.use_cache = False
     gpt2.compile()
     assert not no_cache_when_training(gpt2, gpt2)  # off already
-    with pytest.raises(ValueError, match="model: expected a module compiled"):
-        no_cache_when_training(_gpt2(), _gpt2())
+
+
+def test_uncompiled_training_calls_build_no_cache():
+    """An uncompiled model (a pre-hook on it): training calls without use_cache build no cache; a call that passes
+    use_cache (by keyword or in its place), evaluation and calls without gradients keep theirs."""
+    model = _gpt2()
+    assert no_cache_when_training(model, model)
+    ids = torch.randint(1, 97, (1, 6))
+    assert model(ids).past_key_values is None
+    assert model(ids, use_cache=True).past_key_values is not None
+    position = list(inspect.signature(type(model).forward).parameters).index("use_cache") - 1
+    assert model(ids, *[None] * (position - 1), True).past_key_values is not None
+    with torch.no_grad():
+        assert model(ids).past_key_values is not None
+    assert model.eval()(ids).past_key_values is not None
