@@ -219,9 +219,9 @@ class MemoryConfig(_Section):
     gc: turn it on. gc_cls: class names of the blocks to checkpoint (e.g. {"BertLayer"}); without
         names accel.auto_checkpoint finds the repeated blocks itself.
     gc_cnt: checkpoint only the first gc_cnt blocks (None: all of them).
-    keep_freed_memory: for models that run on the CPU, glibc's malloc keeps freed memory for reuse
-        (accel.runtime.host_memory): large tensors stop costing page faults every step; the process
-        keeps its heap at its peak (more where tensor sizes change every step: switch it off there).
+    keep_freed_memory: for models that run on the CPU, the freed memory of tensors of 1 MiB or more is kept for
+        reuse by accel's caching allocator (accel.runtime.host_memory): large tensors stop costing page faults
+        every step; what it keeps stays within a quarter above the peak of its live tensors.
     fused_lm_loss: a causal or masked language model's training calls with labels compute the loss without the
         [B, L, vocabulary] logits, a slice of the vocabulary at a time (accel.compiler.fused_lm_loss); those
         calls' outputs have no logits. Off by default, as memory.gc: it trades time for memory (a Llama with

@@ -23,7 +23,6 @@
 #include <list>
 #include <map>
 #include <mutex>
-#include <new>
 #include <unordered_map>
 #include <vector>
 
@@ -67,8 +66,10 @@ class HostCachingAllocator final : public c10::Allocator {
 
   size_t min_bytes() const { return min_bytes_; }
 
-  // A child of fork() inherits the mutex in whatever state another thread of the parent held it: made anew.
-  void reset_lock_after_fork() { new (&mu_) std::mutex(); }
+  // Held across fork() (pthread_atfork), as glibc holds malloc's locks: the child inherits the blocks in a
+  // consistent state, never in the middle of another thread's take or give_back.
+  void lock_for_fork() { mu_.lock(); }
+  void unlock_after_fork() { mu_.unlock(); }
 
   static HostCachingAllocator* instance;
 
@@ -176,7 +177,9 @@ bool host_memory_install(int64_t min_bytes) {
   std::lock_guard<std::mutex> lock(install_mu);
   if (HostCachingAllocator::instance == nullptr) {
     HostCachingAllocator::instance = new HostCachingAllocator(c10::GetCPUAllocator(), static_cast<size_t>(min_bytes));
-    pthread_atfork(nullptr, nullptr, [] { HostCachingAllocator::instance->reset_lock_after_fork(); });
+    pthread_atfork([] { HostCachingAllocator::instance->lock_for_fork(); },
+                   [] { HostCachingAllocator::instance->unlock_after_fork(); },
+                   [] { HostCachingAllocator::instance->unlock_after_fork(); });
     c10::SetCPUAllocator(HostCachingAllocator::instance, /*priority=*/1);
   }
   return c10::GetCPUAllocator() == HostCachingAllocator::instance;
