@@ -17,8 +17,9 @@ What it does, in order (each step says why it sits where it does):
    bf16/fp16 is many times slower there (accel.utils.cpu). fp16 needs a GradScaler: use accel.amp.GradScaler (sync-free).
 3. the model moves to the device. Before that, for models that run on the CPU (and the XLA CPU client),
    memory.keep_freed_memory: accel's caching allocator keeps large tensors' freed memory for reuse
-   (accel.runtime.host_memory), so the large tensors of every step stop costing page faults (batch 16 x 512 on 2 cores: BERT-base's compiled
-   bf16 step through accelerate() 1.68x, a 4-layer BERT's eager fp32 step 1.33x).
+   (accel.runtime.host_memory), so the large tensors of every step stop costing page faults (batch 16 x 512 on
+   2 cores: a 4-layer BERT's eager fp32 step 1.26x, benchmarks/results/host_memory_cpu.json; BERT-base's
+   compiled bf16 step 1.68x with glibc keeping the memory before, which the allocator matches).
 4. kernels: the library's hooks where they win on this device (accel.runtime.policy). LayerNorm and Dropout
    modules already built are switched to FusedLayerNorm / PhiloxDropout in place (same parameters); fused
    Adam is a hook on torch.optim.Adam/AdamW, so it reaches the optimizer the user builds next. Where
