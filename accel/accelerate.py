@@ -219,7 +219,7 @@ def _compile(model: nn.Module, backend: str, device: torch.device, cuda_graphs: 
     """Compile `model` in place (`hf`: the transformers model inside it, if any); returns the watch of its call
     shapes (watch_shapes), else None."""
     from accel.compiler.batch_shapes import watch_call_shapes
-    from accel.compiler.decoding import eager_when_decoding, no_cache_when_training
+    from accel.compiler.decoding import eager_when_decoding
     from accel.compiler.moved_model import explain_failures_after_a_move
     from accel.compiler.problem_type import settle_problem_type
     from accel.utils.dynamo import guard_module_hooks, make_room_for_recompiles
@@ -237,7 +237,6 @@ def _compile(model: nn.Module, backend: str, device: torch.device, cuda_graphs: 
     explain_failures_after_a_move(model, device)  # e.g. moved to the XLA device, where Inductor cannot compile
     if hf is not None:  # a classifier's first call writes config.problem_type: done before it, no second compile
         settle_problem_type(model, hf)
-        no_cache_when_training(model, hf)  # a cache hides packed position ids from transformers' masks
     # no loader to watch: the calls, for shapes that keep changing
     call_shapes = watch_call_shapes(model) if watch_shapes else None
     if graphs:  # a .grad kept past its step (zero_grad(set_to_none=False), micro-batches) must outlive replays
@@ -462,6 +461,10 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
             from accel.compiler.flattened_rows import per_sample_flattened_rows
 
             per_sample_flattened_rows(model, hf, config.compute.cuda_packed_attention)
+    if hf is not None:  # a cache hides packed position ids from transformers' masks
+        from accel.compiler.decoding import no_cache_when_training
+
+        no_cache_when_training(hf)
     if dtype is not None:  # outermost: PackedModel calls parts of the model, not its forward
         # a forward captured in a CUDA graph (compute.step_graph) must not cache weight casts (torch.cuda.graph's
         # rule for autocast); elsewhere the cache saves a cast per use of a weight
@@ -486,15 +489,10 @@ def accelerate(model: nn.Module, dataloader=None, config: Config | None = None):
 
             inductor_options.setdefault("joint_custom_pre_pass", DrawDropoutMasks())
         call_shapes = _compile(model, backend, device, cuda_graphs, n_shapes, inductor_options, watch_shapes, hf)
-    else:
-        if hf is not None:  # as _compile does for a compiled model
-            from accel.compiler.decoding import no_cache_when_training
+    elif watch_shapes and backend == "xla":  # XLA compiles a graph per shape by nature
+        from accel.compiler.batch_shapes import watch_call_shapes
 
-            no_cache_when_training(model, hf)
-        if watch_shapes and backend == "xla":  # XLA compiles a graph per shape by nature
-            from accel.compiler.batch_shapes import watch_call_shapes
-
-            call_shapes = watch_call_shapes(model)
+        call_shapes = watch_call_shapes(model)
     from accel.compiler.optimizer import adopt_optimizers
 
     adopt_optimizers(model, compile_steps=compiled, reduce_gradients=distributed.reduces_gradients_on_step(model),

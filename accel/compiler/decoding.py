@@ -15,12 +15,13 @@ Training calls build no cache: transformers' decoders build one whenever use_cac
 in training too unless gradient checkpointing is on. A training step never reads it, and while there is one
 transformers does not look for packed rows in the position ids (masking_utils reads them only without a cache):
 rows packed by DataCollatorWithFlattening or TRL's packing (position ids restarting at each sample, no attention
-mask) then attend across their samples, silently. `no_cache_when_training(model, hf)` gives the training calls of
-the model (training mode, gradients on; compiled or not) that pass neither use_cache nor a cache use_cache=False, as
+mask) then attend across their samples, silently. `no_cache_when_training(hf)` gives the training calls of the
+model (training mode, gradients on; compiled or not) that pass neither use_cache nor a cache use_cache=False, as
 PackedModel's rows have.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -58,42 +59,37 @@ def eager_when_decoding(model: nn.Module) -> None:
     wrap_compiled_call(model, wrap)
 
 
-def no_cache_when_training(model: nn.Module, hf: nn.Module) -> bool:
-    """Let training calls of `model` (`hf` the transformers model inside it) that pass neither use_cache nor a
-    key/value cache run with use_cache=False. Returns whether it did: False where `hf`'s forward takes no use_cache
-    or its config has it off already.
-
-    A model compiled by `model.compile()` gets it in front of its compiled call (plain Python, outside the graph);
-    an uncompiled one (compute.compile=False, the xla backend) as a forward pre-hook on `hf`.
-    """
+@functools.cache
+def _use_cache_position(cls: type) -> int | None:
+    """The place of use_cache among the positional arguments of `cls`.forward (past `self`); None where it takes
+    none."""
     try:
-        parameters = list(inspect.signature(type(hf).forward).parameters)
+        parameters = list(inspect.signature(cls.forward).parameters)
     except (TypeError, ValueError):
-        parameters = []
-    if "use_cache" not in parameters or not getattr(getattr(hf, "config", None), "use_cache", False):
+        return None
+    return parameters.index("use_cache") - 1 if "use_cache" in parameters else None
+
+
+def _training_call_without_cache(hf: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of `hf` trains (training mode, gradients on) and says nothing of a cache: no use_cache, by
+    keyword or in its place, and no key/value cache."""
+    return ("use_cache" not in kwargs and len(args) <= _use_cache_position(type(hf)) and hf.training
+            and torch.is_grad_enabled() and not carries_kv_cache(args, kwargs))
+
+
+def _no_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+    # a function of this module, not a closure: a model with the hook still pickles (torch.save(model))
+    if _training_call_without_cache(module, args, kwargs):
+        return args, {**kwargs, "use_cache": False}
+    return None
+
+
+def no_cache_when_training(hf: nn.Module) -> bool:
+    """Let training calls of `hf` (a transformers model, or the one inside the model the user calls) that pass
+    neither use_cache nor a key/value cache run with use_cache=False: a forward pre-hook on `hf`, traced into a
+    compiled model's graph, kept by a copy or a pickle of the model. Returns whether it did: False where `hf`'s
+    forward takes no use_cache or its config has it off already."""
+    if _use_cache_position(type(hf)) is None or not getattr(getattr(hf, "config", None), "use_cache", False):
         return False
-    positional = parameters.index("use_cache") - 1  # past `self`: a call with more positional arguments passes it
-
-    def without_cache(args: tuple, kwargs: dict) -> bool:
-        return ("use_cache" not in kwargs and len(args) <= positional and hf.training and torch.is_grad_enabled()
-                and not carries_kv_cache(args, kwargs))
-
-    if getattr(model, "_compiled_call_impl", None) is None:
-        def pre_hook(module, args, kwargs):
-            if without_cache(args, kwargs):
-                return args, {**kwargs, "use_cache": False}
-            return None
-
-        hf.register_forward_pre_hook(pre_hook, with_kwargs=True)
-        return True
-
-    def wrap(compiled):
-        def call(*args, **kwargs):
-            if without_cache(args, kwargs):
-                kwargs["use_cache"] = False
-            return compiled(*args, **kwargs)
-
-        return call
-
-    wrap_compiled_call(model, wrap)
+    hf.register_forward_pre_hook(_no_cache_pre_hook, with_kwargs=True)
     return True

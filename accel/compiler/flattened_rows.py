@@ -16,6 +16,8 @@ outputs; on an H200 a packed 1B Llama's step at rows of 4096 took 61.0 ms with F
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -41,6 +43,28 @@ def flattened_segments(position_ids: torch.Tensor) -> torch.Tensor:
     return starts.cumsum(-1)
 
 
+def _per_sample(cuda_attention: str, module: nn.Module, args: tuple, kwargs: dict):
+    """per_sample_flattened_rows' pre-hook on the base model (`module`, whose config is the model's)."""
+    position_ids = kwargs.get("position_ids")
+    use_cache = kwargs.get("use_cache")
+    config = module.config
+    if (not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
+            or kwargs.get("attention_mask") is not None or SEGMENT_IDS in kwargs
+            or (config.use_cache if use_cache is None else use_cache) is not False
+            or carries_kv_cache(args, kwargs)):
+        return None
+    length = position_ids.shape[1]
+    flex = (flex_rows.route_for(cuda_attention, True, length) == "flex"
+            and flex_rows.flex_runs_on(position_ids.device))
+    if not flex and position_ids.device.type != "cpu":
+        return None
+    segments = flattened_segments(position_ids)
+    kwargs[SEGMENT_IDS], kwargs[SEGMENTS_CAUSAL] = segments, True
+    if flex:
+        kwargs[FLEX_MASKS] = flex_document_masks(segments, True, sliding_window(config, length)[0])
+    return args, kwargs
+
+
 def per_sample_flattened_rows(model: nn.Module, hf: nn.Module, cuda_attention: str = "auto") -> bool:
     """Give `model`'s calls over rows packed by position ids (a [B, L] position_ids keyword, no attention_mask, no
     key/value cache, use_cache=False or the config's use_cache off) each sample's attention alone: on the CPU, and
@@ -63,24 +87,6 @@ def per_sample_flattened_rows(model: nn.Module, hf: nn.Module, cuda_attention: s
             or not all(takes_var_keywords(type(m).forward) for m in dict.fromkeys((model, hf, hf.base_model)))):
         return False
 
-    def per_sample(module, args, kwargs):
-        position_ids = kwargs.get("position_ids")
-        use_cache = kwargs.get("use_cache")
-        if (not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
-                or kwargs.get("attention_mask") is not None or SEGMENT_IDS in kwargs
-                or (config.use_cache if use_cache is None else use_cache) is not False
-                or carries_kv_cache(args, kwargs)):
-            return None
-        length = position_ids.shape[1]
-        flex = (flex_rows.route_for(cuda_attention, True, length) == "flex"
-                and flex_rows.flex_runs_on(position_ids.device))
-        if not flex and position_ids.device.type != "cpu":
-            return None
-        segments = flattened_segments(position_ids)
-        kwargs[SEGMENT_IDS], kwargs[SEGMENTS_CAUSAL] = segments, True
-        if flex:
-            kwargs[FLEX_MASKS] = flex_document_masks(segments, True, sliding_window(config, length)[0])
-        return args, kwargs
-
-    hf.base_model.register_forward_pre_hook(per_sample, with_kwargs=True)
+    # a partial of a function of this module, not a closure: a model with the hook still pickles
+    hf.base_model.register_forward_pre_hook(functools.partial(_per_sample, cuda_attention), with_kwargs=True)
     return True

@@ -97,19 +97,21 @@ def test_training_on_flattened_rows_attends_within_each_sample(compile):
 def test_models_without_a_cache_are_left_alone():
     bert = transformers.BertForSequenceClassification(transformers.BertConfig(
         vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37))
-    bert.compile()
-    assert not no_cache_when_training(bert, bert)  # its forward takes no use_cache
+    assert not no_cache_when_training(bert)  # its forward takes no use_cache
     gpt2 = _gpt2()
     gpt2.config.use_cache = False
-    gpt2.compile()
-    assert not no_cache_when_training(gpt2, gpt2)  # off already
+    assert not no_cache_when_training(gpt2)  # off already
+    assert not bert._forward_pre_hooks and not gpt2._forward_pre_hooks
 
 
-def test_uncompiled_training_calls_build_no_cache():
-    """An uncompiled model (a pre-hook on it): training calls without use_cache build no cache; a call that passes
-    use_cache (by keyword or in its place), evaluation and calls without gradients keep theirs."""
+@pytest.mark.parametrize("compile", [False, True])
+def test_training_calls_build_no_cache(compile):
+    """Training calls without use_cache build no cache, compiled (the pre-hook inside the graph) or not; a call
+    that passes use_cache (by keyword or in its place), evaluation and calls without gradients keep theirs."""
     model = _gpt2()
-    assert no_cache_when_training(model, model)
+    assert no_cache_when_training(model)
+    if compile:
+        model.compile(backend="eager")
     ids = torch.randint(1, 97, (1, 6))
     assert model(ids).past_key_values is None
     assert model(ids, use_cache=True).past_key_values is not None

@@ -154,6 +154,24 @@ def test_accelerate_on_the_cpu_trains_flattened_rows_per_sample(monkeypatch):
     assert i == 2 and calls
 
 
+@pytest.mark.parametrize("compile", [True, False])
+def test_an_accelerated_model_with_the_hooks_still_pickles(tmp_path, compile):
+    """torch.save(model) of a whole accelerated causal LM (its hooks are functions of accel's modules, not
+    closures): the loaded model trains flattened rows per sample as the one saved, with no cache built."""
+    plain = _model("llama")
+    config = accel.Config(backend="cpu")
+    config.compute.compile = compile
+    model = accel.accelerate(copy.deepcopy(plain), config=config)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    batch, _ = _flattened("cpu")
+    out = loaded(**batch)
+    assert out.past_key_values is None
+    want = plain(**batch, use_cache=False).loss
+    torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model(**batch)["loss"], want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral_window", "gemma3"])
 @pytest.mark.parametrize("device", [CUDA])
 def test_a_cuda_training_step_matches_transformers_packed_mask(monkeypatch, family, device):
