@@ -50,14 +50,16 @@ def flex_fits(query: torch.Tensor, key: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _compiled_flex_attention():
+def _compiled_flex_attention(dynamic_lengths: bool):
     # Outside a compiled graph FlexAttention runs its unfused reference (every score materialised), so the calls of
-    # an uncompiled model take it compiled, with Dynamo's automatic dynamic shapes (flex_document_attention turns
-    # them on for the call: importing torch_xla turns them off for the process): a new row length compiles one
-    # graph of symbolic lengths that later lengths reuse. With dynamic=False each length compiled a graph of its
-    # own, and rows of ever-changing lengths (a user's flattened rows without buckets) reached Dynamo's recompile
-    # limit after 8 and fell back to the unfused reference for the rest of the process.
-    return torch.compile(flex_attention, dynamic=None)
+    # an uncompiled model take it compiled. On CUDA with Dynamo's automatic dynamic shapes (flex_document_attention
+    # turns them on for the call: importing torch_xla turns them off for the process): a new row length compiles
+    # one graph of symbolic lengths that later lengths reuse. With dynamic=False each length compiled a graph of
+    # its own, and rows of ever-changing lengths (a user's flattened rows without buckets) reached Dynamo's
+    # recompile limit after 8 and fell back to the unfused reference for the rest of the process. The CPU (where
+    # only tests let FlexAttention through, flex_runs_on) stays static: Inductor's CPU FlexAttention template does
+    # not compile symbolic lengths (torch 2.9 and 2.14: "'cur_qSplitSize8' was not declared").
+    return torch.compile(flex_attention, dynamic=None if dynamic_lengths else False)
 
 
 def flex_document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask,
@@ -80,5 +82,7 @@ def flex_document_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     gqa = query.shape[1] != key.shape[1]
     if torch.compiler.is_compiling():
         return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    if device != "cuda":
+        return _compiled_flex_attention(False)(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     with torch._dynamo.config.patch(automatic_dynamic_shapes=True):
-        return _compiled_flex_attention()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        return _compiled_flex_attention(True)(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)

@@ -75,9 +75,8 @@ class HostCachingAllocator final : public c10::Allocator {
 
  private:
   struct Block {
-    size_t size;  // mapped bytes
-    bool kept;
-    std::list<void*>::iterator lru;  // where kept
+    size_t size;                     // mapped bytes
+    std::list<void*>::iterator lru;  // its place in lru_ while kept
   };
 
   static void release(void* ptr) { instance->give_back(ptr); }
@@ -91,7 +90,6 @@ class HostCachingAllocator final : public c10::Allocator {
       by_size_.erase(fit);
       Block& block = blocks_.at(ptr);
       lru_.erase(block.lru);
-      block.kept = false;
       kept_bytes_ -= block.size;
       peak_live_ = std::max(peak_live_, mapped_bytes_ - kept_bytes_);
       ++hits_;
@@ -112,7 +110,7 @@ class HostCachingAllocator final : public c10::Allocator {
       TORCH_CHECK_WITH(OutOfMemoryError, false, "accel's host allocator: out of memory mapping ", nbytes,
                        " bytes (", mapped_bytes_, " bytes mapped already)");
     }
-    blocks_.emplace(ptr, Block{want, false, {}});
+    blocks_.emplace(ptr, Block{want, {}});
     mapped_bytes_ += want;
     peak_live_ = std::max(peak_live_, mapped_bytes_ - kept_bytes_);
     return ptr;
@@ -125,7 +123,6 @@ class HostCachingAllocator final : public c10::Allocator {
       if (it != blocks_.end()) {
         c10::profiledCPUMemoryReporter().Delete(ptr);
         Block& block = it->second;
-        block.kept = true;
         block.lru = lru_.insert(lru_.end(), ptr);
         by_size_.emplace(block.size, ptr);
         kept_bytes_ += block.size;
@@ -168,14 +165,16 @@ HostCachingAllocator* HostCachingAllocator::instance = nullptr;
 
 // Makes HostCachingAllocator torch's CPU allocator for blocks of `min_bytes` or more, once a process (a later
 // call keeps the first one's threshold). Returns whether torch's CPU allocations now go through it: false where
-// an allocator registered at a higher priority than torch's default holds the place. Never freed: tensors
-// outlive any caller.
+// an allocator registered at a higher priority than torch's default holds the place, or where the allocator in
+// place has no raw deleter. Never freed: tensors outlive any caller.
 bool host_memory_install(int64_t min_bytes) {
   TORCH_CHECK(min_bytes >= static_cast<int64_t>(kPage), "host_memory_install: min_bytes must be at least ", kPage,
               ", got ", min_bytes);
   static std::mutex install_mu;
   std::lock_guard<std::mutex> lock(install_mu);
   if (HostCachingAllocator::instance == nullptr) {
+    // blocks of raw_allocate() that are not ours go back through the replaced allocator's raw deleter
+    if (c10::GetCPUAllocator()->raw_deleter() == nullptr) return false;
     HostCachingAllocator::instance = new HostCachingAllocator(c10::GetCPUAllocator(), static_cast<size_t>(min_bytes));
     pthread_atfork([] { HostCachingAllocator::instance->lock_for_fork(); },
                    [] { HostCachingAllocator::instance->unlock_after_fork(); },

@@ -170,12 +170,15 @@ def test_flex_fits_asks_for_cuda_heads_of_16_and_one_length(monkeypatch):
     assert not flex_rows.flex_fits(q, torch.zeros(1, 3, 8, 16))  # 3 key heads do not divide 4
 
 
-def test_uncompiled_calls_of_ever_changing_lengths_stay_fused():
+@pytest.mark.parametrize("device", [CUDA])
+def test_uncompiled_calls_of_ever_changing_lengths_stay_fused(device):
     """Outside a compiled graph (compute.compile=False) FlexAttention is called compiled, and rows of a new length
     every call (flattened rows without buckets) reuse one graph of symbolic lengths from the second length on: no
     recompilation per length, so no fall back to the unfused reference past Dynamo's recompile limit (8), which
-    dynamic=False reached (also in a process that imported torch_xla, which turns automatic dynamic shapes off). Forward passes on the CPU (Inductor's FlexAttention forward runs there), each length's
-    output against SDPA with the dense document mask."""
+    dynamic=False reached (also in a process that imported torch_xla, which turns automatic dynamic shapes off).
+    Forward and backward, each length's output and gradients against SDPA with the dense document mask. CUDA only:
+    on the CPU, where only tests let FlexAttention through, Inductor's template cannot compile symbolic lengths
+    (torch 2.9 and 2.14) and the calls stay static."""
     from torch._dynamo.utils import counters
 
     from accel.compiler.packed import FLEX, document_mask
@@ -186,13 +189,15 @@ def test_uncompiled_calls_of_ever_changing_lengths_stay_fused():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*without torch.compile.*")  # the unfused reference
         for length in range(64, 64 + 12 * 24, 24):  # 12 lengths
-            segments = (torch.arange(length) // 40 + 1).expand(2, length).contiguous()
-            q, k, v = (torch.randn(2, 4, length, 16) for _ in range(3))
-            with torch.no_grad():
-                out = flex_rows.flex_document_attention(q, k, v, document_mask(segments, FLEX, causal=True))
+            segments = (torch.arange(length, device=device) // 40 + 1).expand(2, length).contiguous()
+            q, k, v = (torch.randn(2, 4, length, 16, device=device, requires_grad=True) for _ in range(3))
+            out = flex_rows.flex_document_attention(q, k, v, document_mask(segments, FLEX, causal=True))
+            grads = torch.autograd.grad(out.sum(), (q, k, v))
             expected = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=document_mask(segments, "sdpa", causal=True))
             torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+            for grad, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))):
+                torch.testing.assert_close(grad, want, rtol=1e-3, atol=1e-3)
     # the first length; symbolic lengths within one block of 128 (a dimension of 1 is never symbolic); then any
     assert counters["stats"]["unique_graphs"] - graphs <= 3
 
