@@ -37,6 +37,7 @@ MIN_BYTES = 1 << 20
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 _kept = False
+_build_error: str | None = None  # why accel's allocator could not be built, once: not retried by every call
 
 
 @functools.cache
@@ -75,14 +76,15 @@ def keep_freed_memory() -> bool:
         False where another allocator is preloaded, or accel's could not be built or installed (nothing is
         changed then; a warning says why the build failed).
     """
-    global _kept
+    global _kept, _build_error
     if _kept:
         return True
-    if _preloaded_allocator() is not None:
+    if _build_error is not None or _preloaded_allocator() is not None:
         return False
     try:
         ops = _ops()
     except Exception as error:  # no compiler here: the model runs as before, on malloc alone
+        _build_error = str(error)
         warnings.warn(f"keep_freed_memory: accel's host allocator could not be built ({error}); freed CPU memory "
                       "is left to malloc", stacklevel=2)
         return False
