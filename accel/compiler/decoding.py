@@ -70,16 +70,12 @@ def _use_cache_position(cls: type) -> int | None:
     return parameters.index("use_cache") - 1 if "use_cache" in parameters else None
 
 
-def _training_call_without_cache(hf: nn.Module, args: tuple, kwargs: dict) -> bool:
-    """Whether a call of `hf` trains (training mode, gradients on) and says nothing of a cache: no use_cache, by
-    keyword or in its place, and no key/value cache."""
-    return ("use_cache" not in kwargs and len(args) <= _use_cache_position(type(hf)) and hf.training
-            and torch.is_grad_enabled() and not carries_kv_cache(args, kwargs))
-
-
 def _no_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
-    # a function of this module, not a closure: a model with the hook still pickles (torch.save(model))
-    if _training_call_without_cache(module, args, kwargs):
+    """Give a training call of `module` (training mode, gradients on) that says nothing of a cache (no use_cache,
+    by keyword or in its place, and no key/value cache) use_cache=False. A function of this module, not a closure:
+    a model with the hook still pickles (torch.save(model))."""
+    if ("use_cache" not in kwargs and len(args) <= _use_cache_position(type(module)) and module.training
+            and torch.is_grad_enabled() and not carries_kv_cache(args, kwargs)):
         return args, {**kwargs, "use_cache": False}
     return None
 

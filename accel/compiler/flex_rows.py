@@ -79,10 +79,9 @@ def flex_document_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     device = query.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     query, key, value = (t.to(dtype) for t in (query, key, value))
-    gqa = query.shape[1] != key.shape[1]
+    options = dict(block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
     if torch.compiler.is_compiling():
-        return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    if device != "cuda":
-        return _compiled_flex_attention(False)(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=True):
-        return _compiled_flex_attention(True)(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        return flex_attention(query, key, value, **options)
+    symbolic = device == "cuda"
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=symbolic):
+        return _compiled_flex_attention(symbolic)(query, key, value, **options)
