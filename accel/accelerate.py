@@ -237,6 +237,12 @@ def _compile(model: nn.Module, backend: str, device: torch.device, cuda_graphs: 
     explain_failures_after_a_move(model, device)  # e.g. moved to the XLA device, where Inductor cannot compile
     if hf is not None:  # a classifier's first call writes config.problem_type: done before it, no second compile
         settle_problem_type(model, hf)
+        # a masked LM's fused loss cuts its last layer to the labelled positions, counted here: a graph for each
+        # of a few counts (two in nearly every run) of each shape
+        from accel.compiler.fused_lm_loss import count_labels_before_calls
+
+        if backend == "cpu" and count_labels_before_calls(model, hf):
+            make_room_for_recompiles(2 * n_shapes)
     # no loader to watch: the calls, for shapes that keep changing
     call_shapes = watch_call_shapes(model) if watch_shapes else None
     if graphs:  # a .grad kept past its step (zero_grad(set_to_none=False), micro-batches) must outlive replays

@@ -30,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from accel.compiler.first_token import last_layer_rows, sees_every_position
 from accel.runtime.nn.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
 from accel.runtime.nn.onednn_mm import PLAIN_LINEARS
-from accel.utils.instance_forward import InstanceForward, installed_forward
+from accel.utils.instance_forward import InstanceForward, stacked_forward
 from accel.utils.transformers_models import CAUSAL_LM_HEADS, MASKED_LM_HEADS, is_transformers_model
 
 # Arguments of a *ForCausalLM's forward that its base model does not take.
@@ -93,28 +94,99 @@ class _InputThrough(InstanceForward):
 
 
 class _MaskedFusedLossForward(InstanceForward):
-    """A masked LM's forward with the fused head and loss for training calls with labels (an instance forward)."""
+    """A masked LM's forward with the fused head and loss for training calls with labels (an instance forward).
+
+    On the CPU its last layer computes only the positions whose label is not ignored, where that layer can be cut
+    (accel.compiler.first_token.last_layer_rows: BERT, RoBERTa, ELECTRA, DistilBERT): each row's labelled
+    positions first, then unlabelled ones up to labelled_rows(labels) positions a row; their labels follow them,
+    and the loss is the same sum over the same labelled tokens. A compiled model cannot count the labels inside its
+    graph (its shapes are static): the count is set in front of its compiled call (count_labels_before_calls), and
+    a compiled call without it computes every position.
+    """
 
     def __init__(self, model: nn.Module, output_type: type, head: _InputThrough, takes_items: bool):
         super().__init__(model)
         self.output_type = output_type
         self.head = head
         self.takes_items = takes_items  # whether the model's own loss divides by num_items_in_batch
+        self.last_layer = last_layer_rows(model)  # None: not a layer that can be cut
+        self.kept: int | None = None  # positions a row for the compiled call in progress (count_labels_before_calls)
 
     def __call__(self, *args, **kwargs):
         head = self.module.get_output_embeddings()
         if (not _fused_call(kwargs, args) or kwargs.get("labels") is None or not _plain_head(head)
                 or head is not self.head.module):  # a head set since (resize_token_embeddings) would not pass its input
             return self.own(*args, **kwargs)
+        labels = kwargs["labels"]
+        rows = self._labelled_rows(labels, kwargs)
+        if rows is not None:
+            self.last_layer.rows, labels = rows, labels.gather(1, rows)
         self.head.through = True
         try:
             out = self.own(*args, **{k: v for k, v in kwargs.items() if k not in ("labels", "return_dict")},
                            return_dict=True)
         finally:
             self.head.through = False
+            if rows is not None:
+                self.last_layer.rows = None
         items = kwargs.get("num_items_in_batch") if self.takes_items else None
-        loss = token_loss(out.logits, head, kwargs["labels"], items)
+        loss = token_loss(out.logits, head, labels, items)
         return _output(self.output_type, loss, out, kwargs.get("return_dict"))
+
+    def _labelled_rows(self, labels: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
+        """[B, R] positions for the last layer to compute, each row's labelled ones first; None: every position (no
+        layer to cut, labels off the CPU, where counting them would wait for the device, a call that shows every
+        position, one that another caller cuts already, or labelled tokens filling the rows)."""
+        layer = self.last_layer
+        if (layer is None or layer.rows is not None or layer.active or not isinstance(labels, torch.Tensor)
+                or labels.device.type != "cpu" or labels.dim() != 2 or sees_every_position(self.module.config, kwargs)):
+            return None
+        kept = self.kept if torch.compiler.is_compiling() else labelled_rows(labels)
+        if kept is None:
+            return None
+        unlabelled = (labels == IGNORE_INDEX).to(torch.uint8)
+        return torch.sort(unlabelled, dim=1, stable=True).indices[:, :kept]
+
+
+def labelled_rows(labels) -> int | None:
+    """How many positions of each row a masked LM's cut last layer computes for `labels` ([B, L] on the CPU): the
+    most labelled tokens any row has, rounded up to a multiple of L / 8 (a compiled model then has a graph for
+    each of a few counts: 15% of 128 tokens takes 32 positions in nearly every batch, 48 in the rest); None where
+    that is the whole row, or `labels` is not such a tensor."""
+    if not isinstance(labels, torch.Tensor) or labels.device.type != "cpu" or labels.dim() != 2 or labels.numel() == 0:
+        return None
+    length = labels.shape[1]
+    step = -(-length // 8)
+    most = int((labels != IGNORE_INDEX).sum(1).max())
+    kept = max(step, -(-most // step) * step)
+    return kept if kept < length else None
+
+
+def count_labels_before_calls(model: nn.Module, lm: nn.Module) -> bool:
+    """In front of `model`'s compiled call (accel.compiler.compiled_call), count the labels of each call for the cut
+    last layer of the masked LM `lm` inside it (see _MaskedFusedLossForward). Only where the call's labels are the
+    ones that reach `lm`'s forward: `model` is `lm` (autocast's forward passes them on) or accel's PackedModel
+    around it (a masked LM's packed labels go to it unchanged). Returns whether it was put there."""
+    from accel.compiler.compiled_call import wrap_compiled_call
+    from accel.compiler.packed import PackedModel
+
+    forward = stacked_forward(lm, _MaskedFusedLossForward)
+    if (forward is None or forward.last_layer is None
+            or not (model is lm or (isinstance(model, PackedModel) and model.model is lm))):
+        return False
+
+    def wrap(compiled):
+        def call(*args, **kwargs):
+            forward.kept = labelled_rows(kwargs.get("labels")) if torch.is_grad_enabled() else None
+            try:
+                return compiled(*args, **kwargs)
+            finally:
+                forward.kept = None
+
+        return call
+
+    wrap_compiled_call(model, wrap)
+    return True
 
 
 def token_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
@@ -275,7 +347,7 @@ def fuse_lm_loss(model: nn.Module) -> bool:
                       f"language model (*{', *'.join(CAUSAL_LM_HEADS + MASKED_LM_HEADS)}); nothing changed",
                       stacklevel=3)
         return False
-    if isinstance(installed_forward(lm), (_FusedLossForward, _MaskedFusedLossForward)):
+    if stacked_forward(lm, (_FusedLossForward, _MaskedFusedLossForward)) is not None:
         return True
     name, kind = type(lm).__name__, _kind(lm)
     head = lm.get_output_embeddings()

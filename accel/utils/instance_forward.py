@@ -87,3 +87,13 @@ def installed_forward(module: nn.Module) -> InstanceForward | None:
     """The InstanceForward that is `module`'s forward, or None (the class's forward, or another replacement)."""
     owner = getattr(module.__dict__.get("forward"), "__self__", None)
     return owner if isinstance(owner, InstanceForward) else None
+
+
+def stacked_forward(module: nn.Module, kind: type | tuple[type, ...]) -> InstanceForward | None:
+    """The InstanceForward of type `kind` in the stack that is `module`'s forward (one installed later, such as
+    accelerate()'s autocast forward, may sit above it), or None."""
+    forward = installed_forward(module)
+    while forward is not None and not isinstance(forward, kind):
+        below = getattr(forward.inner, "__self__", None)
+        forward = below if isinstance(below, InstanceForward) else None
+    return forward

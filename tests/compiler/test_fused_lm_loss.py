@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the fused loss replaces a transformers model's head")
 
 import accel  # noqa: E402
-from accel.compiler.fused_lm_loss import fuse_lm_loss  # noqa: E402
+from accel.compiler.fused_lm_loss import fuse_lm_loss, labelled_rows  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 VOCAB = 97
@@ -205,12 +205,14 @@ def _causal_samples() -> list[dict]:
                                                           for n in LENGTHS)]
 
 
-def _accelerated_losses(model: torch.nn.Module, data: list[dict], fused: bool, pack: bool, device: str = "cpu"):
-    """The losses of training `model` on `data` through accelerate() (compiled, SGD), packed or the 16-token
+def _accelerated_losses(model: torch.nn.Module, data: list[dict], fused: bool, pack: bool, device: str = "cpu",
+                        compiled: bool = True):
+    """The losses of training `model` on `data` through accelerate() (compiled unless asked, SGD), packed or the 16-token
     samples alone. On CUDA CUDA graphs replay the compiled model, the fused loss's opaque op (and the compiled
     slice functions inside it) among its kernels."""
     config = accel.Config(backend=device)
     config.compute.kernels = False
+    config.compute.compile = compiled
     config.memory.fused_lm_loss = fused
     if pack:
         config.dataloader.pack, config.dataloader.max_length = True, 32
@@ -364,6 +366,127 @@ def test_masked_lm_pickles_and_copies():
         torch.testing.assert_close(out.loss, model(input_ids=ids, labels=labels).loss)
 
 
+# On the CPU the last layer of a masked LM computes the labelled positions alone (BERT, RoBERTa, DistilBERT).
+
+CUT_FAMILIES = {"bert": lambda m: m.bert.encoder.layer[-1].attention.self.query,
+                "roberta": lambda m: m.roberta.encoder.layer[-1].attention.self.query,
+                "distilbert": lambda m: m.distilbert.transformer.layer[-1].attention.q_lin}
+
+
+def _queries_seen(model, family: str) -> list:
+    """The sequence lengths the last layer's query projection is called with, call after call."""
+    seen = []
+    CUT_FAMILIES[family](model).register_forward_hook(lambda module, args, out: seen.append(args[0].shape[1]))
+    return seen
+
+
+def test_labelled_rows_rounds_the_most_labelled_row_up_to_an_eighth():
+    labels = torch.full((2, 16), -100)
+    labels[0, [1, 5, 9]] = 7
+    labels[1, :5] = 7  # 5 labelled: 6, a multiple of 16 / 8
+    assert labelled_rows(labels) == 6
+    assert labelled_rows(torch.full((2, 16), -100)) == 2  # none labelled: one eighth
+    assert labelled_rows(torch.full((2, 10), 3)) is None  # every position: the whole row
+    labels = torch.full((1, 512), -100)
+    labels[0, :77] = 1  # 15% of 512: 128
+    assert labelled_rows(labels) == 128
+    assert labelled_rows(None) is None and labelled_rows(torch.full((16,), -100)) is None
+
+
+@pytest.mark.parametrize("family", sorted(CUT_FAMILIES))
+def test_masked_lm_last_layer_computes_the_labelled_positions(family):
+    model, reference = _pair(family)
+    ids, labels = _masked_batch()
+    seen = _queries_seen(model, family)
+    _assert_same_training_call(model, reference, input_ids=ids, labels=labels)  # loss and every gradient
+    assert seen == [labelled_rows(labels)] and seen[0] < ids.shape[1]
+    # calls the cut would show are the full layer's: hidden states of every position, no gradients, no labels
+    out = model(input_ids=ids, labels=labels, output_hidden_states=True)
+    want = reference(input_ids=ids, labels=labels, output_hidden_states=True)
+    torch.testing.assert_close(out.hidden_states[-1], want.hidden_states[-1])
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        model(input_ids=ids, labels=labels)
+    model(input_ids=ids)
+    assert seen == [labelled_rows(labels)] + [ids.shape[1]] * 3
+
+
+def test_masked_lm_layers_that_cannot_be_cut_compute_every_position():
+    """ALBERT shares its layers, ModernBERT's are built otherwise: the loss alone is fused. Labels off the CPU would
+    have to be counted on their device (a wait each call): not cut either (tested where a GPU is)."""
+    from accel.utils.instance_forward import installed_forward
+
+    for family in ("albert", "modernbert"):
+        model, _ = _pair(family)
+        assert installed_forward(model).last_layer is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="labels on a GPU need one")
+def test_masked_lm_labels_on_a_gpu_are_not_counted():
+    model, reference = _pair("bert", "cuda")
+    ids, labels = _masked_batch("cuda")
+    seen = _queries_seen(model, "bert")
+    _assert_same_training_call(model, reference, input_ids=ids, labels=labels)
+    assert seen == [ids.shape[1]]
+
+
+def test_accelerate_counts_the_labels_of_each_compiled_call():
+    """Compiled, the count is made in front of the call: losses equal the model's own as the count changes, a graph
+    for each count, and a count seen before runs its graph again."""
+    torch.manual_seed(0)
+    model = _masked_model("bert").train()
+    reference = copy.deepcopy(model)
+    config = accel.Config(backend="cpu")
+    config.compute.kernels = False
+    config.memory.fused_lm_loss = True
+    model = accel.accelerate(model, config=config)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, VOCAB, (3, 16), generator=g)
+    batches = []
+    for labelled in (3, 9, 3):  # positions labelled in row 1: counts of 4, 10 and 4 again
+        labels = torch.where(torch.rand(3, 16, generator=g) < 0.1, ids, -100)
+        labels[1] = -100
+        labels[1, :labelled] = ids[1, :labelled]
+        batches.append(labels)
+    assert [labelled_rows(labels) for labels in batches] == [4, 10, 4]
+    for i, labels in enumerate(batches):
+        with torch.compiler.set_stance("fail_on_recompile" if i == 2 else "default"):
+            out = model(input_ids=ids, labels=labels)
+        assert out.logits is None
+        want = reference(input_ids=ids, labels=labels)
+        torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+        out.loss.backward()
+        want.loss.backward()
+        _assert_same_grads(model, reference)
+        model.zero_grad()
+        reference.zero_grad()
+
+
+def test_labels_are_counted_only_where_they_reach_the_masked_lm():
+    """A user's module around the model may change the labels on their way: its compiled calls compute every position
+    (the count would be of other labels); so do compiled calls of the model without the fused loss."""
+    from accel.compiler.fused_lm_loss import count_labels_before_calls
+
+    class Around(torch.nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, input_ids, labels):
+            return self.lm(input_ids=input_ids, labels=labels)
+
+    lm = _masked_model("bert")
+    assert fuse_lm_loss(lm)
+    around = Around(lm)
+    around.compile()
+    assert not count_labels_before_calls(around, lm)
+    plain = _masked_model("bert")
+    plain.compile()
+    assert not count_labels_before_calls(plain, plain)
+    lm.compile()
+    assert count_labels_before_calls(lm, lm)
+
+
 def _masked_samples() -> list[dict]:
     g = torch.Generator().manual_seed(4)
     data = []
@@ -379,6 +502,15 @@ def _masked_samples() -> list[dict]:
 @pytest.mark.parametrize("pack", [False, True])
 def test_accelerate_trains_a_masked_lm_the_same_compiled(pack, device):
     fused, plain = (_accelerated_losses(_masked_model("bert"), _masked_samples(), on, pack, device)
+                    for on in (True, False))
+    assert len(fused) >= 2
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_accelerate_trains_a_packed_masked_lm_the_same_uncompiled():
+    """Uncompiled, the packed rows' labels are counted in the call; the cut last layer's queries take the rows of
+    the packed document mask (per-sample attention takes whole rows)."""
+    fused, plain = (_accelerated_losses(_masked_model("bert"), _masked_samples(), on, True, compiled=False)
                     for on in (True, False))
     assert len(fused) >= 2
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
