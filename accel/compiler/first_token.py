@@ -30,7 +30,8 @@ before. In a reward model of 16 layers that is ~1/16 of the step's arithmetic.
 
 Packed rows (accel.compiler.packed) hold several samples, and their classifier reads each sample's first token
 (an encoder's) or last token (a decoder's): `last_layer_rows(model)` gives the same last-layer forward, through
-which PackedModel asks for those positions ([B, S] indices) instead.
+which PackedModel asks for those positions ([B, S] indices) instead, and a masked LM's fused loss
+(accel.compiler.fused_lm_loss, on the CPU) for the positions whose label is not ignored.
 """
 from __future__ import annotations
 
