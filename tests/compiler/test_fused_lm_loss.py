@@ -422,7 +422,7 @@ def test_masked_lm_layers_that_cannot_be_cut_compute_every_position():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="labels on a GPU need one")
-def test_masked_lm_labels_on_a_gpu_are_not_counted():
+def test_masked_lm_labels_on_cuda_are_not_counted():
     model, reference = _pair("bert", "cuda")
     ids, labels = _masked_batch("cuda")
     seen = _queries_seen(model, "bert")

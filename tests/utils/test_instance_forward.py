@@ -7,7 +7,7 @@ import pickle
 import torch
 from torch import nn
 
-from accel.utils.instance_forward import InstanceForward, installed_forward
+from accel.utils.instance_forward import InstanceForward, installed_forward, stacked_forward
 
 
 class _Times(InstanceForward):
@@ -46,6 +46,21 @@ def test_deep_copies_and_is_found_by_installed_forward():
     clone = copy.deepcopy(layer)
     assert installed_forward(clone).module is clone and clone.weight is not layer.weight  # the copy's own
     torch.testing.assert_close(clone(x), nn.functional.linear(x, layer.weight, layer.bias) * 6.0)
+
+
+class _Plus(InstanceForward):
+    def __call__(self, x):
+        return self.own(x) + 1.0
+
+
+def test_stacked_forward_finds_a_kind_under_later_ones():
+    layer = nn.Linear(3, 2)
+    assert stacked_forward(layer, _Times) is None
+    times = _Times(layer, 2.0).install()
+    assert stacked_forward(layer, _Times) is times and stacked_forward(layer, _Plus) is None
+    plus = _Plus(layer).install()  # installed later: above the first
+    assert installed_forward(layer) is plus
+    assert stacked_forward(layer, _Times) is times and stacked_forward(layer, (_Plus, _Times)) is plus
 
 
 class _Block(nn.Module):  # defined here: Dynamo compiles a test's modules, not torch.nn's own forwards
