@@ -135,12 +135,12 @@ class _MaskedFusedLossForward(InstanceForward):
 
     def _labelled_rows(self, labels: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
         """[B, R] positions for the last layer to compute, each row's labelled ones first; None: every position (no
-        layer to cut, labels off the CPU, where counting them would wait for the device, a call that shows every
-        position, one that another caller cuts already, or labelled tokens filling the rows)."""
+        layer to cut, a call that shows every position, one that another caller cuts already, or no count:
+        labelled_rows' cases, and a compiled call nobody counted for)."""
         layer = self.last_layer
-        if (layer is None or layer.rows is not None or layer.active or not isinstance(labels, torch.Tensor)
-                or labels.device.type != "cpu" or labels.dim() != 2 or sees_every_position(self.module.config, kwargs)):
+        if layer is None or layer.rows is not None or sees_every_position(self.module.config, kwargs):
             return None
+        # compiled, the count was made in front of the call from these labels (count_labels_before_calls)
         kept = self.kept if torch.compiler.is_compiling() else labelled_rows(labels)
         if kept is None:
             return None
@@ -152,7 +152,8 @@ def labelled_rows(labels) -> int | None:
     """How many positions of each row a masked LM's cut last layer computes for `labels` ([B, L] on the CPU): the
     most labelled tokens any row has, rounded up to a multiple of L / 8 (a compiled model then has a graph for
     each of a few counts: 15% of 128 tokens takes 32 positions in nearly every batch, 48 in the rest); None where
-    that is the whole row, or `labels` is not such a tensor."""
+    that is the whole row, or `labels` is not such a tensor (labels off the CPU: counting them would wait for their
+    device)."""
     if not isinstance(labels, torch.Tensor) or labels.device.type != "cpu" or labels.dim() != 2 or labels.numel() == 0:
         return None
     length = labels.shape[1]
